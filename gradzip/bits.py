@@ -1,0 +1,75 @@
+"""Bit codecs: pack small integer codes densely into bytes, and pick compact index dtypes.
+
+Everything here is pure tensor code (no Python loop per element) and works on any device.
+Bit order is little-endian inside a byte: code ``i`` occupies bits ``[i*b, (i+1)*b)`` of the stream.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["pack_bits", "unpack_bits", "packed_nbytes", "index_dtype"]
+
+
+def packed_nbytes(n: int, bits: int) -> int:
+    """Bytes needed for ``n`` codes of ``bits`` bits each."""
+    return math.ceil(n * bits / 8)
+
+
+def _check_bits(bits: int) -> None:
+    if not isinstance(bits, int) or not 1 <= bits <= 16:
+        raise ValueError(f"bits must be an integer in 1..16, got {bits!r}")
+
+
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack a 1-D tensor of non-negative integer codes, each ``< 2**bits``, into a uint8 tensor."""
+    _check_bits(bits)
+    codes = codes.reshape(-1)
+    n = codes.numel()
+    nbytes = packed_nbytes(n, bits)
+    if n == 0:
+        return torch.empty(0, dtype=torch.uint8, device=codes.device)
+    if 8 % bits == 0:
+        # Fast path: an integral number of codes per byte, combined with shifts.
+        per_byte = 8 // bits
+        padded = torch.zeros(nbytes * per_byte, dtype=torch.uint8, device=codes.device)
+        padded[:n] = codes.to(torch.uint8)
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
+        return (padded.view(-1, per_byte) << shifts).sum(dim=1, dtype=torch.uint8)
+    # General path: expand into a bit stream, then regroup eight bits per byte.
+    planes = torch.arange(bits, dtype=torch.int32, device=codes.device)
+    stream = ((codes.to(torch.int32).unsqueeze(1) >> planes) & 1).reshape(-1)
+    padded = torch.zeros(nbytes * 8, dtype=torch.uint8, device=codes.device)
+    padded[: stream.numel()] = stream.to(torch.uint8)
+    weights = torch.arange(8, dtype=torch.uint8, device=codes.device)
+    return (padded.view(-1, 8) << weights).sum(dim=1, dtype=torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: the first ``n`` codes, as int64 (uint8 when ``bits <= 8``)."""
+    _check_bits(bits)
+    if packed.dtype != torch.uint8:
+        raise ValueError(f"packed bits must be a uint8 tensor, got {packed.dtype}")
+    if packed.numel() < packed_nbytes(n, bits):
+        raise ValueError(f"{packed.numel()} bytes cannot hold {n} codes of {bits} bits")
+    device = packed.device
+    if 8 % bits == 0:
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=device)
+        mask = (1 << bits) - 1
+        codes = ((packed.unsqueeze(1) >> shifts) & mask).reshape(-1)[:n]
+        return codes
+    weights = torch.arange(8, dtype=torch.uint8, device=device)
+    stream = ((packed.unsqueeze(1) >> weights) & 1).reshape(-1)[: n * bits]
+    planes = torch.arange(bits, dtype=torch.int64, device=device)
+    codes = (stream.view(n, bits).to(torch.int64) << planes).sum(dim=1)
+    return codes.to(torch.uint8) if bits <= 8 else codes
+
+
+def index_dtype(numel: int) -> torch.dtype:
+    """The smallest integer dtype that can address ``numel`` positions (int32 for large tensors)."""
+    if numel <= 2**8:
+        return torch.uint8
+    if numel <= 2**15:
+        return torch.int16
+    return torch.int32

@@ -1,0 +1,278 @@
+"""Collectives: drive many tensors' exchange generators in lockstep over torch.distributed.
+
+Each phase, every pending generator yields one request.  Requests of a phase are fused: all allreduces
+of one (dtype, op) become one allreduce, all allgathers one allgather of a byte buffer (preceded by one
+small allgather of the field sizes when a payload's size depends on the data).  Phases run one after the
+other and requests keep the order of the tensors, so every rank issues the same collectives in the same
+order, however the network delays them.
+
+Safety rules this layer guarantees:
+- empty payloads are never handed to a collective, and uneven allgather sizes are padded to the largest;
+- a non-finite gradient on *any* rank is detected with one flag that rides along the first collective,
+  so every rank reacts identically (see :class:`ExchangeReport`).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Generator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .compressors.base import AllGather, AllReduce
+
+__all__ = ["Transport", "ProcessGroupTransport", "LocalTransport", "ExchangeReport", "run_lockstep", "simulate"]
+
+
+class Transport:
+    """Executes already fused collectives for one rank."""
+
+    rank: int = 0
+    world_size: int = 1
+
+    def allreduce(self, flat: torch.Tensor, op: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def allgather(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+
+class LocalTransport(Transport):
+    """World size 1: compression and feedback still apply, nothing is exchanged."""
+
+    def allreduce(self, flat, op):
+        return flat
+
+    def allgather(self, flat):
+        return [flat]
+
+
+class ProcessGroupTransport(Transport):
+    """A real ``torch.distributed`` process group (gloo on CPU, NCCL on GPU)."""
+
+    _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+
+    def allreduce(self, flat, op):
+        dist.all_reduce(flat, op=self._OPS[op], group=self.group)
+        return flat
+
+    def allgather(self, flat):
+        out = [torch.empty_like(flat) for _ in range(self.world_size)]
+        dist.all_gather(out, flat, group=self.group)
+        return out
+
+
+def transport_for(group: Optional[dist.ProcessGroup] = None) -> Transport:
+    """A process-group transport when torch.distributed is initialised with several ranks, else local."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        return ProcessGroupTransport(group)
+    return LocalTransport()
+
+
+@dataclass
+class ExchangeReport:
+    """What one lockstep exchange cost.  Byte counts are per worker.
+
+    ``payload_bytes``: the compressed payloads; ``wire_bytes``: every byte handed to a collective
+    (payloads + size headers + padding + the one-element health flag); ``nonfinite``: some rank's input
+    held NaN or Inf.
+    """
+
+    payload_bytes: int = 0
+    wire_bytes: int = 0
+    collectives: int = 0
+    compress_s: float = 0.0
+    communicate_s: float = 0.0
+    nonfinite: bool = False
+    per_tensor_payload: list = field(default_factory=list)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _from_bytes(chunk: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    # clone(): a slice at an unaligned offset cannot be viewed as a wider dtype.
+    return chunk.clone().view(like.dtype)
+
+
+class _Phase:
+    """Fuses one phase's requests, runs the collectives, hands each generator its result."""
+
+    def __init__(self, transport: Transport, report: ExchangeReport):
+        self.t = transport
+        self.report = report
+
+    def _timed(self, fn, *args):
+        start = time.perf_counter()
+        out = fn(*args)
+        self.report.communicate_s += time.perf_counter() - start
+        self.report.collectives += 1
+        return out
+
+    def run(self, requests: dict[int, object], flag: Optional[torch.Tensor]) -> tuple[dict, Optional[bool]]:
+        reduces: dict[tuple, list[int]] = {}
+        gathers: list[int] = []
+        for i, req in requests.items():
+            if isinstance(req, AllReduce):
+                if req.op not in ("sum", "max"):
+                    raise ValueError(f"allreduce op must be 'sum' or 'max', got {req.op!r}")
+                reduces.setdefault((req.tensor.dtype, req.op), []).append(i)
+            elif isinstance(req, AllGather):
+                gathers.append(i)
+            else:
+                raise TypeError(f"a compressor yielded {type(req).__name__}; expected AllReduce or AllGather")
+        results: dict[int, object] = {}
+        flag_out = None
+        if gathers:
+            flag_out = self._allgather(requests, gathers, results, flag)
+            flag = None
+        for (dtype, op), members in reduces.items():
+            got = self._allreduce(requests, members, op, dtype, results, flag)
+            if flag is not None:
+                flag_out, flag = got, None
+        return results, flag_out
+
+    def _allreduce(self, requests, members, op, dtype, results, flag):
+        tensors = [requests[i].tensor for i in members]
+        for i, t in zip(members, tensors):
+            self.report.per_tensor_payload[i] += _nbytes(t)
+            self.report.payload_bytes += _nbytes(t)
+        parts = [t.reshape(-1) for t in tensors]
+        if flag is not None:
+            parts.append(flag.to(dtype=dtype, device=tensors[0].device).reshape(1))
+        flat = torch.cat(parts) if parts else torch.empty(0)
+        flag_out = None
+        if flat.numel() > 0:
+            self.report.wire_bytes += _nbytes(flat)
+            flat = self._timed(self.t.allreduce, flat, op)
+        if flag is not None:
+            flag_out = bool(flat[-1] > 0)
+        offset = 0
+        for i, t in zip(members, tensors):
+            results[i] = flat[offset : offset + t.numel()].view(t.shape).clone()
+            offset += t.numel()
+        return flag_out
+
+    def _allgather(self, requests, members, results, flag):
+        fields = [f for i in members for f in requests[i].fields]
+        sizes = [_nbytes(f) for f in fields]
+        for i in members:
+            n = sum(_nbytes(f) for f in requests[i].fields)
+            self.report.per_tensor_payload[i] += n
+            self.report.payload_bytes += n
+        device = fields[0].device if fields else torch.device("cpu")
+        world = self.t.world_size
+        if all(requests[i].same_size for i in members):
+            size_rows = [sizes] * world
+        else:
+            header = torch.tensor(sizes, dtype=torch.int64, device=device)
+            self.report.wire_bytes += _nbytes(header)
+            size_rows = [row.tolist() for row in self._timed(self.t.allgather, header)]
+        extra = 1 if flag is not None else 0
+        longest = max(sum(row) for row in size_rows) + extra
+        mine = [_as_bytes(f) for f in fields]
+        if flag is not None:
+            mine.append(flag.to(dtype=torch.uint8, device=device).reshape(1))
+        pad = longest - sum(sizes) - extra
+        if pad:
+            mine.append(torch.zeros(pad, dtype=torch.uint8, device=device))
+        flag_out = None
+        if longest > 0:
+            buf = torch.cat(mine) if mine else torch.empty(0, dtype=torch.uint8, device=device)
+            self.report.wire_bytes += _nbytes(buf)
+            gathered = self._timed(self.t.allgather, buf)
+            if flag is not None:
+                flag_out = any(bool(g[sum(row)] > 0) for g, row in zip(gathered, size_rows))
+        else:
+            gathered = [torch.empty(0, dtype=torch.uint8, device=device)] * world
+        # Split each rank's buffer back into per-request tuples of fields (own fields are reused as-is).
+        per_rank = []
+        for r, (buf, row) in enumerate(zip(gathered, size_rows)):
+            offset, out = 0, []
+            for f, n in zip(fields, row):
+                out.append(f.reshape(-1) if r == self.t.rank else _from_bytes(buf[offset : offset + n], f))
+                offset += n
+            per_rank.append(out)
+        start = 0
+        for i in members:
+            count = len(requests[i].fields)
+            results[i] = [tuple(per_rank[r][start : start + count]) for r in range(world)]
+            start += count
+        return flag_out
+
+
+def run_lockstep(gens: Sequence[Generator], transport: Transport, nonfinite_local: bool = False):
+    """Run exchange generators to completion in lockstep; returns (their return values, report)."""
+    report = ExchangeReport(per_tensor_payload=[0] * len(gens))
+    phase = _Phase(transport, report)
+    pending = dict(enumerate(gens))
+    inbox: dict[int, object] = {i: None for i in pending}
+    outputs: list = [None] * len(gens)
+    flag = torch.tensor([1.0 if nonfinite_local else 0.0])
+    flag_known = False
+    report.nonfinite = nonfinite_local
+    while pending:
+        requests = {}
+        start = time.perf_counter()
+        for i, gen in list(pending.items()):
+            try:
+                requests[i] = gen.send(inbox[i])
+            except StopIteration as stop:
+                outputs[i] = stop.value
+                del pending[i]
+        report.compress_s += time.perf_counter() - start
+        if not requests:
+            break
+        results, flag_out = phase.run(requests, None if flag_known else flag)
+        if not flag_known:
+            flag_known = True
+            report.nonfinite = bool(flag_out)
+        inbox = results
+    return outputs, report
+
+
+def simulate(gens_per_rank: Sequence[Sequence[Generator]]):
+    """Run N ranks' generators in one process, with exact in-process collectives (sums in rank order).
+
+    Used by tests and the cost model to compare against real process groups; returns per-rank outputs.
+    """
+    world = len(gens_per_rank)
+    pending = [dict(enumerate(g)) for g in gens_per_rank]
+    inbox = [{i: None for i in p} for p in pending]
+    outputs = [[None] * len(g) for g in gens_per_rank]
+    while any(pending):
+        requests = [{} for _ in range(world)]
+        for r in range(world):
+            for i, gen in list(pending[r].items()):
+                try:
+                    requests[r][i] = gen.send(inbox[r][i])
+                except StopIteration as stop:
+                    outputs[r][i] = stop.value
+                    del pending[r][i]
+        if not any(requests):
+            break
+        inbox = [{} for _ in range(world)]
+        for i in requests[0]:
+            reqs = [requests[r][i] for r in range(world)]
+            if isinstance(reqs[0], AllReduce):
+                total = reqs[0].tensor.clone()
+                for req in reqs[1:]:
+                    total = total + req.tensor if req.op == "sum" else torch.maximum(total, req.tensor)
+                for r in range(world):
+                    inbox[r][i] = total.clone()
+            else:
+                fields = [tuple(f.reshape(-1).clone() for f in req.fields) for req in reqs]
+                for r in range(world):
+                    inbox[r][i] = fields
+    return outputs

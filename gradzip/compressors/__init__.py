@@ -1,0 +1,57 @@
+"""Compressor registry: ``compressors()`` lists the names, ``make(name, **params)`` builds one.
+
+Adding a method takes one class in the module of its family and one ``@register`` line; the shared
+test matrix iterates over this registry, so the new method is tested without further wiring.
+"""
+from __future__ import annotations
+
+import inspect
+
+from .base import Compressor
+
+_REGISTRY: dict[str, type[Compressor]] = {}
+
+
+def register(cls: type[Compressor]) -> type[Compressor]:
+    if not cls.name or cls.name in _REGISTRY:
+        raise ValueError(f"compressor name {cls.name!r} is empty or already registered")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def compressors() -> list[str]:
+    """Names of every registered compression method, in registration order."""
+    return list(_REGISTRY)
+
+
+def compressor_class(name: str) -> type[Compressor]:
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown compressor {name!r}; valid names: {', '.join(_REGISTRY)}")
+    return _REGISTRY[name]
+
+
+def parameters_of(name: str) -> dict:
+    """The constructor parameters of a method with their defaults."""
+    sig = inspect.signature(compressor_class(name).__init__)
+    return {p.name: p.default for p in list(sig.parameters.values())[1:] if p.kind is p.KEYWORD_ONLY or p.kind is p.POSITIONAL_OR_KEYWORD}
+
+
+def make(name: str | Compressor, **params) -> Compressor:
+    """Build the compressor ``name`` with ``params``; a ready :class:`Compressor` passes through."""
+    if isinstance(name, Compressor):
+        if params:
+            raise ValueError("parameters cannot be given together with an already built compressor")
+        return name
+    valid = parameters_of(name)
+    unknown = sorted(set(params) - set(valid))
+    if unknown:
+        raise ValueError(
+            f"unknown parameter(s) {', '.join(unknown)} for compressor {name!r}; valid: {', '.join(valid) or 'none'}"
+        )
+    return compressor_class(name)(**params)
+
+
+# Importing the family modules registers their classes (order = listing order).
+from . import dense, sparse, quantize, sign, lowrank  # noqa: E402,F401
+
+__all__ = ["Compressor", "register", "compressors", "compressor_class", "parameters_of", "make"]

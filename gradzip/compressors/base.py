@@ -1,0 +1,232 @@
+"""The compressor interface.
+
+A compressor turns one worker's (error-compensated) gradient ``x`` into an aggregate shared by every
+worker.  Its :meth:`Compressor.exchange` is a generator that *yields* collective requests
+(:class:`AllReduce`, :class:`AllGather`) and receives their results; it never touches
+``torch.distributed`` itself.  The collectives layer drives the generators of many tensors in lockstep,
+fuses their requests into a few large collectives, and issues them in one fixed order on every rank.
+That keeps each compressor a few lines of the paper's equations, and makes multi-phase protocols
+(PowerSGD's two allreduces, CSC's norm vote, TernGrad's scale sharing) safe by construction.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Generator, Optional
+
+import torch
+
+__all__ = [
+    "AllReduce",
+    "AllGather",
+    "Exchanged",
+    "TensorContext",
+    "Compressor",
+    "SummableCompressor",
+    "GatheredCompressor",
+    "Exchange",
+    "check_ratio",
+    "value_dtype",
+]
+
+
+@dataclass
+class AllReduce:
+    """Request: reduce ``tensor`` over all ranks (``op`` is ``"sum"`` or ``"max"``); result is the reduced tensor."""
+
+    tensor: torch.Tensor
+    op: str = "sum"
+
+
+@dataclass
+class AllGather:
+    """Request: gather a tuple of 1-D tensors (the payload's fields) from every rank.
+
+    The result is a list over ranks of tuples of 1-D tensors with the sender's dtypes.  ``same_size``
+    promises that every rank sends fields of identical sizes (the size then depends only on the tensor's
+    shape); otherwise the sizes are exchanged first, which costs one small extra collective.
+    """
+
+    fields: tuple
+    same_size: bool = True
+
+
+@dataclass
+class Exchanged:
+    """The outcome of one tensor's exchange.
+
+    ``aggregate`` is what the optimizer receives (normally the mean over workers of what they sent).
+    ``sent`` is this worker's own contribution as the receivers decode it, D(C(x)); error feedback
+    keeps ``x - sent``.  ``mask`` marks the positions a sparsifier sent (for DGC's momentum masking).
+    """
+
+    aggregate: torch.Tensor
+    sent: torch.Tensor
+    mask: Optional[torch.Tensor] = None
+
+
+Exchange = Generator[Any, Any, Exchanged]
+
+
+def _stable_hash(text: str) -> int:
+    return zlib.crc32(text.encode("utf-8"))
+
+
+@dataclass
+class TensorContext:
+    """Everything a compressor may know about the tensor it is compressing.
+
+    State is *staged*: :meth:`get` reads the committed value unless this step already :meth:`set` one,
+    and the owner commits ``updates`` only after the whole exchange succeeded on every rank.
+    """
+
+    key: str
+    shape: torch.Size
+    dtype: torch.dtype
+    step: int = 0
+    epoch: int = 0
+    rank: int = 0
+    world_size: int = 1
+    seed: int = 0
+    state: dict = field(default_factory=dict)
+    updates: dict = field(default_factory=dict)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.updates.get(name, self.state.get(name, default))
+
+    def set(self, name: str, value: Any) -> None:
+        self.updates[name] = value
+
+    def generator(self, device: torch.device, *, shared: bool = True, salt: str = "") -> torch.Generator:
+        """A private RNG seeded from (seed, tensor key, step[, rank]); the global RNG is never touched.
+
+        ``shared=True`` gives every rank the same stream (Random-k must pick the same positions
+        everywhere).  ``shared=False`` mixes in the rank, so stochastic rounding noise is independent
+        across workers and averages out instead of adding up.
+        """
+        parts = (self.seed, _stable_hash(self.key + "/" + salt), self.step, 0 if shared else self.rank + 1)
+        seed = 0
+        for part in parts:
+            seed = (seed * 1_000_003 + part) % (2**63 - 1)
+        gen = torch.Generator(device=device)
+        gen.manual_seed(seed)
+        return gen
+
+
+def check_ratio(name: str, value: float, *, allow_zero: bool = True) -> float:
+    lo_ok = value >= 0 if allow_zero else value > 0
+    if not isinstance(value, (int, float)) or not (lo_ok and value <= 1):
+        allowed = "0 <= ratio <= 1" if allow_zero else "0 < ratio <= 1"
+        raise ValueError(f"{name} must be a number with {allowed}, got {value!r}")
+    return float(value)
+
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def value_dtype(name: Optional[str]) -> Optional[torch.dtype]:
+    """Parse a ``value_dtype=`` parameter (``None`` keeps the gradient's own dtype)."""
+    if name is None:
+        return None
+    if isinstance(name, torch.dtype) and name in _DTYPES.values():
+        return name
+    if name not in _DTYPES:
+        raise ValueError(f"value_dtype must be one of {sorted(_DTYPES)} or None, got {name!r}")
+    return _DTYPES[name]
+
+
+class Compressor:
+    """Base class.  Subclasses set ``name`` and implement :meth:`exchange` (or use a helper base).
+
+    ``default_feedback`` is the error-feedback scheme used when the caller passes ``feedback=None``.
+    """
+
+    name: ClassVar[str] = ""
+    default_feedback: ClassVar[str] = "none"
+    #: True when the exchange is deterministic (no random choice): used by tests and by resume checks.
+    deterministic: ClassVar[bool] = True
+
+    #: The error-feedback schemes this method accepts (``momentum`` needs momentum parameters).
+    feedbacks: ClassVar[tuple] = ("none", "residual")
+
+    def __init__(self, feedback: Optional[str] = None):
+        feedback = feedback if feedback is not None else self.default_feedback
+        if feedback not in self.feedbacks:
+            raise ValueError(f"{self.name}: feedback must be one of {list(self.feedbacks)}, got {feedback!r}")
+        self.feedback = feedback
+
+    def compresses(self, ctx: TensorContext) -> bool:
+        """Whether this tensor is compressed at all; if not it is averaged densely in fp32."""
+        return True
+
+    def exchange(self, x: torch.Tensor, ctx: TensorContext) -> Exchange:
+        raise NotImplementedError
+
+    def payload_bytes(self, ctx: TensorContext, kept: Optional[int] = None) -> int:
+        """The method's wire formula: bytes this worker hands to collectives for one tensor.
+
+        ``kept`` is the number of elements sent, for methods whose payload size depends on the data.
+        """
+        raise NotImplementedError
+
+    def params(self) -> dict:
+        """The constructor parameters, for logs and ``repr``."""
+        return {k: v for k, v in vars(self).items() if not k.startswith("_")}
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.params().items())
+        return f"{type(self).__name__}({args})"
+
+
+class SummableCompressor(Compressor):
+    """A method whose payloads can simply be added: one allreduce, then decode the sum.
+
+    Subclasses implement ``compress(x, ctx) -> Tensor`` and ``decompress(payload, ctx) -> Tensor`` with
+    ``decompress`` linear, so ``decompress(sum of payloads) / N`` is the mean of what workers sent.
+    """
+
+    def compress(self, x: torch.Tensor, ctx: TensorContext) -> torch.Tensor:
+        raise NotImplementedError
+
+    def decompress(self, payload: torch.Tensor, ctx: TensorContext) -> torch.Tensor:
+        raise NotImplementedError
+
+    def exchange(self, x, ctx):
+        payload = self.compress(x, ctx)
+        total = yield AllReduce(payload)
+        aggregate = self.decompress(total, ctx) / ctx.world_size
+        return Exchanged(aggregate, self.decompress(payload, ctx))
+
+
+class GatheredCompressor(Compressor):
+    """A method whose payloads cannot be added: allgather every worker's fields, decode each, combine.
+
+    Subclasses implement ``compress(x, ctx) -> tuple of 1-D tensors`` and
+    ``decompress(fields, ctx) -> Tensor``; ``combine`` defaults to the mean.  Set ``same_size = False``
+    when the payload size depends on the data (threshold methods).
+    """
+
+    same_size: ClassVar[bool] = True
+
+    def compress(self, x: torch.Tensor, ctx: TensorContext) -> tuple:
+        raise NotImplementedError
+
+    def decompress(self, fields: tuple, ctx: TensorContext) -> torch.Tensor:
+        raise NotImplementedError
+
+    def combine(self, decoded: list, ctx: TensorContext) -> torch.Tensor:
+        total = decoded[0].clone()
+        for part in decoded[1:]:
+            total += part
+        return total / len(decoded)
+
+    def exchange(self, x, ctx):
+        fields = self.compress(x, ctx)
+        gathered = yield AllGather(tuple(fields), same_size=self.same_size)
+        decoded = [self.decompress(f, ctx) for f in gathered]
+        return Exchanged(self.combine(decoded, ctx), decoded[ctx.rank])
+
+
+def numel_of(shape) -> int:
+    return math.prod(shape)

@@ -1,0 +1,75 @@
+"""Error feedback: what a worker keeps of the gradient mass that compression did not send.
+
+All three schemes wrap a compressor's exchange generator and keep the invariant
+
+    sent + new_state == compensated input          (nothing dropped is lost, only delayed)
+
+- ``none``: send C(g); whatever C drops is gone (right for unbiased quantisers).
+- ``residual`` (Seide et al. 2014; Karimireddy et al. 2019): p = g + e; send C(p); e = p - D(C(p)).
+- ``momentum`` (DGC, Lin et al. ICLR 2018, Sec. 3.2-3.3): momentum correction
+  u = m*u + g (Nesterov: u = (u + g)*m, v gets u + g); v = v + u; send C(v); v = v - D(C(v));
+  momentum factor masking zeroes u where an element was sent; local clipping of g by
+  ``clip_norm * N^-1/2`` before accumulation.  The optimizer must then apply no momentum of its own.
+"""
+from __future__ import annotations
+
+import torch
+
+from .compressors.base import Compressor, Exchange, TensorContext
+from .compressors.dense import NoCompression
+
+__all__ = ["exchange", "FEEDBACKS"]
+
+FEEDBACKS = ("none", "residual", "momentum")
+_DENSE = NoCompression()
+
+
+def exchange(compressor: Compressor, g: torch.Tensor, ctx: TensorContext) -> Exchange:
+    """Compress one gradient with the compressor's feedback scheme; returns the aggregate (fp32)."""
+    x = g.detach().reshape(ctx.shape).float()
+    compressed = compressor.compresses(ctx)
+    run = compressor.exchange if compressed else _DENSE.exchange
+    scheme = compressor.feedback
+    if scheme == "none":
+        return (yield from run(x, ctx)).aggregate
+    if scheme == "residual":
+        residual = ctx.get("residual")
+        p = x if residual is None else x + residual
+        result = yield from run(p, ctx)
+        # A tensor sent densely keeps no residual (it would be rounding noise at most).
+        ctx.set("residual", p - result.sent if compressed else None)
+        return result.aggregate
+    if scheme == "momentum":
+        return (yield from _momentum_corrected(compressor, x, ctx, run, compressed))
+    raise ValueError(f"unknown feedback {scheme!r}; valid: {', '.join(FEEDBACKS)}")
+
+
+def _momentum_corrected(compressor, g, ctx, run, compressed):
+    m = compressor.momentum
+    if compressor.clip_norm is not None:
+        limit = compressor.clip_norm * ctx.world_size ** -0.5
+        norm = torch.linalg.vector_norm(g)
+        g = g * torch.clamp(limit / (norm + 1e-6), max=1.0)
+    u = ctx.get("momentum")
+    u = torch.zeros_like(g) if u is None else u
+    if compressor.nesterov:
+        u = (u + g) * m
+        increment = u + g
+    else:
+        u = m * u + g
+        increment = u
+    v = ctx.get("velocity")
+    v = increment if v is None else v + increment
+    result = yield from run(v, ctx)
+    if compressed:
+        v = v - result.sent
+        if result.mask is not None:
+            # Momentum factor masking.  v is already ~0 where sent (exactly 0 for fp32 values); it keeps
+            # the value-dtype rounding residue so that conservation stays exact.
+            u = u.masked_fill(result.mask.reshape(u.shape), 0.0)
+        ctx.set("velocity", v)
+    else:
+        # Sent whole: nothing accumulates and masking would erase the momentum, so keep u as it is.
+        ctx.set("velocity", None)
+    ctx.set("momentum", u)
+    return result.aggregate
