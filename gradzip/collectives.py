@@ -13,6 +13,7 @@ Safety rules this layer guarantees:
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Generator, Optional, Sequence
@@ -22,7 +23,7 @@ import torch.distributed as dist
 
 from .compressors.base import AllGather, AllReduce
 
-__all__ = ["Transport", "ProcessGroupTransport", "LocalTransport", "ExchangeReport", "run_lockstep", "simulate"]
+__all__ = ["Transport", "ProcessGroupTransport", "LocalTransport", "ThreadGroup", "ExchangeReport", "run_lockstep", "simulate"]
 
 
 class Transport:
@@ -66,6 +67,44 @@ class ProcessGroupTransport(Transport):
         out = [torch.empty_like(flat) for _ in range(self.world_size)]
         dist.all_gather(out, flat, group=self.group)
         return out
+
+
+class ThreadGroup:
+    """N workers as N threads of one process, with exact collectives (sums in rank order).
+
+    Lets tests and the cost model run the real integration code for N simulated workers.
+    """
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self.barrier = threading.Barrier(world_size)
+        self.slots: list = [None] * world_size
+
+    def transport(self, rank: int) -> "Transport":
+        return _ThreadTransport(self, rank)
+
+
+class _ThreadTransport(Transport):
+    def __init__(self, group: ThreadGroup, rank: int):
+        self.group, self.rank, self.world_size = group, rank, group.world_size
+
+    def _exchange(self, flat):
+        g = self.group
+        g.slots[self.rank] = flat.clone()
+        g.barrier.wait()
+        everyone = [s.clone() for s in g.slots]
+        g.barrier.wait()  # nobody overwrites a slot before all have read it
+        return everyone
+
+    def allreduce(self, flat, op):
+        everyone = self._exchange(flat)
+        total = everyone[0]
+        for part in everyone[1:]:
+            total = total + part if op == "sum" else torch.maximum(total, part)
+        return total
+
+    def allgather(self, flat):
+        return self._exchange(flat)
 
 
 def transport_for(group: Optional[dist.ProcessGroup] = None) -> Transport:

@@ -1,0 +1,201 @@
+"""Worker functions run in spawned processes (or threads) by the distributed tests."""
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import gradzip
+from gradzip.collectives import ThreadGroup, Transport
+
+# Parameters that make each method actually compress the small test model within a few steps.
+TEST_PARAMS = {
+    "powersgd": {"dense_steps": 2},
+    "dgc": {"min_numel": 256, "warmup_epochs": 0, "ratio": 0.05},
+    "threshold": {"tau": 0.01},
+}
+
+
+def params_for(name: str) -> dict:
+    valid = gradzip.parameters_of(name)
+    return {k: v for k, v in TEST_PARAMS.get(name, {}).items() if k in valid}
+
+
+class DelayedTransport(Transport):
+    """Sleeps a random, rank-specific time before every collective: ranks reach them out of step."""
+
+    def __init__(self, inner: Transport, seed: int, max_ms: float = 15.0):
+        self.inner, self.rank, self.world_size = inner, inner.rank, inner.world_size
+        self.rng = random.Random(seed)
+        self.max_s = max_ms / 1000
+
+    def allreduce(self, flat, op):
+        time.sleep(self.rng.random() * self.max_s)
+        return self.inner.allreduce(flat, op)
+
+    def allgather(self, flat):
+        time.sleep(self.rng.random() * self.max_s)
+        return self.inner.allgather(flat)
+
+
+_INIT_LOCK = threading.Lock()  # simulated workers are threads sharing the global RNG
+
+
+def small_model() -> nn.Module:
+    with _INIT_LOCK:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(32, 48), nn.ReLU(), nn.Linear(48, 24), nn.ReLU(), nn.Linear(24, 5))
+
+
+def batch(rank: int, step: int):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(16, 32, generator=g), torch.randint(0, 5, (16,), generator=g)
+
+
+def _flat(model):
+    return torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+
+
+def train(rank, world, integration, name, steps, transport=None, delays=False):
+    """Train the small model for ``steps`` steps with compressor ``name``; returns (params, stats)."""
+    model = small_model()
+    params = params_for(name)
+    if integration == "ddp":
+        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.004)
+        state = gradzip.register(ddp, name, **params)
+        net, opt = ddp, torch.optim.SGD(model.parameters(), lr=0.05)
+    else:
+        base = torch.optim.SGD(model.parameters(), lr=0.05)
+        opt = gradzip.DistributedOptimizer(base, model.named_parameters(), name, bucket_cap_mb=0.004,
+                                           transport=transport, **params)
+        state, net = opt.state, model
+    if delays:
+        state.transport = DelayedTransport(state.transport, seed=rank * 7919 + len(name))
+    for step in range(steps):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+    return _flat(model), state.stats()
+
+
+def train_every_method(rank, world, integration, steps, delays):
+    return {name: train(rank, world, integration, name, steps, delays=delays) for name in gradzip.compressors()}
+
+
+def simulate_training(world, name, steps):
+    """The same training as ``train(..., 'optimizer', ...)`` for ``world`` workers as threads of this process."""
+    group = ThreadGroup(world)
+    results = [None] * world
+
+    def run(rank):
+        torch.set_num_threads(1)
+        results[rank] = train(rank, world, "optimizer", name, steps, transport=group.transport(rank))
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def odd_inputs(rank):
+    """Empty, 0-d, one-element, non-contiguous and odd-sized tensors with rank-dependent values."""
+    g = torch.Generator().manual_seed(rank + 1)
+    return [
+        ("empty", torch.empty(0)),
+        ("empty2d", torch.empty(0, 7)),
+        ("scalar", torch.randn((), generator=g)),
+        ("one", torch.randn(1, generator=g)),
+        ("transposed", torch.randn(9, 5, generator=g).t()),
+        ("odd", torch.randn(1001, generator=g) * (rank + 1)),
+        ("matrix", torch.randn(33, 40, generator=g)),
+    ]
+
+
+def exchange_odd_inputs(rank, world, steps):
+    out = {}
+    for name in gradzip.compressors():
+        state = gradzip.GradzipState(name, **params_for(name))
+        state.transport = DelayedTransport(state.transport, seed=rank, max_ms=3)
+        results = []
+        for _ in range(steps):
+            results.append(state.exchange(odd_inputs(rank)))
+        out[name] = (results, state.stats())
+    return out
+
+
+def exchange_nonfinite(rank, world):
+    out = {}
+    for name in gradzip.compressors():
+        state = gradzip.GradzipState(name, **params_for(name))
+        grads = odd_inputs(rank)
+        first = state.exchange(grads)
+        before = {k: {n: v.clone() for n, v in s.items()} for k, s in state.tensors.items()}
+        steps_before = dict(state.steps)
+        bad = [(k, g.clone()) for k, g in grads]
+        if rank == world - 1:
+            bad[5][1][3] = float("inf")  # only the last rank sees an overflow
+        poisoned = state.exchange(bad)
+        unchanged = state.tensors.keys() == before.keys() and all(
+            torch.equal(state.tensors[k][n], v) for k, s in before.items() for n, v in s.items()
+        ) and state.steps == steps_before
+        after = state.exchange(grads)
+        out[name] = (first, poisoned, unchanged, after)
+    return out
+
+
+def ddp_uses_world_group_untouched(rank, world):
+    """gradzip's own group must leave the default group usable by the script between steps."""
+    model = small_model()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    state = gradzip.register(ddp, "powersgd", dense_steps=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses = []
+    for step in range(3):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(ddp(x), y)
+        loss.backward()
+        opt.step()
+        t = loss.detach().clone()
+        dist.all_reduce(t)
+        losses.append(float(t))
+    return losses, state.stats()
+
+
+def train_digits(rank, world, name, params, epochs, optimizer_momentum):
+    """A 2-hidden-layer MLP on scikit-learn's 8x8 digits through the DDP hook; returns test accuracy."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(digits.target)
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    x, y = x[perm], y[perm]
+    split = int(0.8 * len(x))
+    x_train, y_train, x_test, y_test = x[:split], y[:split], x[split:], y[split:]
+    with _INIT_LOCK:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 10))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    state = gradzip.register(ddp, name, **params)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=optimizer_momentum)
+    batch_size = 32
+    for epoch in range(epochs):
+        state.set_epoch(epoch)
+        order = torch.randperm(split, generator=torch.Generator().manual_seed(epoch))
+        shard = order[rank::world]
+        for i in range(0, len(shard) - batch_size + 1, batch_size):
+            idx = shard[i : i + batch_size]
+            opt.zero_grad()
+            nn.functional.cross_entropy(ddp(x_train[idx]), y_train[idx]).backward()
+            opt.step()
+    with torch.no_grad():
+        accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()
+    return accuracy, state.stats()
