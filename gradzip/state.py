@@ -116,12 +116,16 @@ class GradzipState:
         collectives identical on every rank.  The future gets ``done(aggregates)``'s value."""
         fut: torch.futures.Future = torch.futures.Future()
         if self._worker is None:
-            self._worker = threading.Thread(target=self._serve, name="gradzip-comm", daemon=True)
+            self._worker = threading.Thread(target=self._serve, args=(torch.get_num_threads(),),
+                                            name="gradzip-comm", daemon=True)
             self._worker.start()
         self._jobs.put((list(named_grads), done, fut))
         return fut
 
-    def _serve(self) -> None:
+    def _serve(self, num_threads: int) -> None:
+        # OpenMP's thread count is per thread: without this a new thread uses every core and its
+        # spinning workers fight the training processes for CPUs.
+        torch.set_num_threads(num_threads)
         while True:
             named, done, fut = self._jobs.get()
             try:

@@ -115,8 +115,8 @@ class TensorContext:
 
 
 def check_ratio(name: str, value: float, *, allow_zero: bool = True) -> float:
-    lo_ok = value >= 0 if allow_zero else value > 0
-    if not isinstance(value, (int, float)) or not (lo_ok and value <= 1):
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not is_number or not ((value >= 0 if allow_zero else value > 0) and value <= 1):
         allowed = "0 <= ratio <= 1" if allow_zero else "0 < ratio <= 1"
         raise ValueError(f"{name} must be a number with {allowed}, got {value!r}")
     return float(value)
