@@ -199,3 +199,29 @@ def train_digits(rank, world, name, params, epochs, optimizer_momentum):
     with torch.no_grad():
         accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()
     return accuracy, state.stats()
+
+
+def train_with_checkpoint(rank, world, name, steps, resume_from, ckpt_dir):
+    """DDP + gradzip; saves model/optimizer/gradzip state after ``steps`` steps, or resumes from a save."""
+    import os
+
+    model = small_model()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    state = gradzip.register(ddp, name, **params_for(name))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.0 if name == "dgc" else 0.9)
+    path = os.path.join(ckpt_dir, f"rank{rank}.pt")
+    first = 0
+    if resume_from is not None:
+        saved = torch.load(path, weights_only=False)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        state.load_state_dict(saved["gradzip"])
+        first = resume_from
+    for step in range(first, steps):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+    if resume_from is None:
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "gradzip": state.state_dict()}, path)
+    return _flat(model)

@@ -1,0 +1,156 @@
+"""DistributedOptimizer and DDP-hook behaviour that needs no second process (or uses threads as workers)."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import gradzip
+from gradzip.collectives import ThreadGroup
+from tests import workers
+from tests.distributed import run_workers
+
+
+def _model():
+    return workers.small_model()
+
+
+def test_dgc_with_optimizer_momentum_is_a_checked_error():
+    model = _model()
+    opt = gradzip.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                       model.named_parameters(), "dgc")
+    x, y = workers.batch(0, 0)
+    nn.functional.cross_entropy(model(x), y).backward()
+    with pytest.raises(ValueError, match="momentum=0"):
+        opt.step()
+
+
+def test_dgc_with_plain_sgd_and_local_weight_decay_steps():
+    model = _model()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = gradzip.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=1e-4),
+                                       model.named_parameters(), "dgc", min_numel=0)
+    x, y = workers.batch(0, 0)
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert "momentum" in next(iter(opt.state.tensors.values()))
+
+
+def test_world_size_one_applies_compression_and_feedback():
+    # The seeds' single-node "masking" experiment: nothing is exchanged, but only the top 10% is applied.
+    model = _model()
+    opt = gradzip.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                       "topk", ratio=0.1)
+    x, y = workers.batch(0, 0)
+    nn.functional.cross_entropy(model(x), y).backward()
+    raw = {n: p.grad.clone() for n, p in model.named_parameters()}
+    opt.synchronize()
+    for name, p in model.named_parameters():
+        sent = p.grad
+        assert int((sent != 0).sum()) == max(1, -(-raw[name].numel() // 10))
+        torch.testing.assert_close(sent + opt.state.tensors[name]["residual"], raw[name])
+    assert opt.stats()["world_size"] == 1
+
+
+def _run_threads(world, fn):
+    group = ThreadGroup(world)
+    out = [None] * world
+    errors = []
+
+    def run(rank):
+        try:
+            out[rank] = fn(rank, group.transport(rank))
+        except BaseException as exc:  # surfaced in the test thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise errors[0]
+    return out
+
+
+def test_backward_passes_per_step_averages_the_accumulated_sum():
+    def work(rank, transport):
+        model = _model()
+        opt = gradzip.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                           "none", backward_passes_per_step=2, transport=transport)
+        local = None
+        for micro in range(2):
+            x, y = workers.batch(rank, micro)
+            nn.functional.cross_entropy(model(x), y).backward()
+        local = [p.grad.clone() for p in model.parameters()]
+        opt.synchronize()
+        return local, [p.grad.clone() for p in model.parameters()]
+
+    results = _run_threads(2, work)
+    for i in range(len(results[0][0])):
+        expected = (results[0][0][i] + results[1][0][i]) / 2
+        torch.testing.assert_close(results[0][1][i], expected)
+        assert torch.equal(results[0][1][i], results[1][1][i])
+
+
+def test_parameter_unused_on_one_rank_gets_the_average():
+    def work(rank, transport):
+        model = _model()
+        opt = gradzip.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                           "topk", ratio=0.5, transport=transport)
+        x, y = workers.batch(rank, 0)
+        out = model(x)
+        loss = nn.functional.cross_entropy(out, y) if rank == 0 else out.sum() * 0 + model[0](x).sum() * 0
+        loss.backward()
+        opt.synchronize()
+        return [p.grad.clone() for p in model.parameters()]
+
+    a, b = _run_threads(2, work)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_optimizer_rejects_bad_arguments():
+    model = _model()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="backward_passes_per_step"):
+        gradzip.DistributedOptimizer(sgd, model.named_parameters(), backward_passes_per_step=0)
+    other = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="not in the optimizer"):
+        gradzip.DistributedOptimizer(sgd, other.named_parameters())
+    with pytest.raises(ValueError, match="DistributedDataParallel"):
+        gradzip.register(model, "topk")
+
+
+def test_optimizer_state_dict_resumes_exactly():
+    def run(opt_state=None, steps=range(4)):
+        model = _model()
+        if opt_state is not None:
+            model.load_state_dict(opt_state[0])
+        opt = gradzip.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                           "topk", ratio=0.1)
+        if opt_state is not None:
+            opt.load_state_dict(opt_state[1])
+        for step in steps:
+            opt.zero_grad()
+            x, y = workers.batch(0, step)
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        return model.state_dict(), opt.state_dict()
+
+    whole = run()
+    half = run(steps=range(2))
+    resumed = run(half, steps=range(2, 4))
+    for k in whole[0]:
+        assert torch.equal(whole[0][k], resumed[0][k])
+
+
+@pytest.mark.parametrize("name", ["none", "topk", "dgc", "csc", "powersgd"])
+def test_checkpoint_restored_in_fresh_processes_continues_bit_for_bit(tmp_path, name):
+    whole = run_workers(workers.train_with_checkpoint, 2, name, 8, None, str(tmp_path))
+    run_workers(workers.train_with_checkpoint, 2, name, 4, None, str(tmp_path))
+    resumed = run_workers(workers.train_with_checkpoint, 2, name, 8, 4, str(tmp_path))
+    for rank in range(2):
+        assert torch.equal(whole[rank], resumed[rank])
