@@ -120,7 +120,8 @@ class ExchangeReport:
 
     ``payload_bytes``: the compressed payloads; ``wire_bytes``: every byte handed to a collective
     (payloads + size headers + padding + the one-element health flag); ``nonfinite``: some rank's input
-    held NaN or Inf.
+    held NaN or Inf.  Times: ``compress_s`` is compressor code up to each request (all phases),
+    ``decompress_s`` the code after the last one (decode, combine, error feedback update).
     """
 
     payload_bytes: int = 0
@@ -128,6 +129,7 @@ class ExchangeReport:
     collectives: int = 0
     compress_s: float = 0.0
     communicate_s: float = 0.0
+    decompress_s: float = 0.0
     nonfinite: bool = False
     per_tensor_payload: list = field(default_factory=list)
 
@@ -263,14 +265,15 @@ def run_lockstep(gens: Sequence[Generator], transport: Transport, nonfinite_loca
     report.nonfinite = nonfinite_local
     while pending:
         requests = {}
-        start = time.perf_counter()
         for i, gen in list(pending.items()):
+            start = time.perf_counter()
             try:
                 requests[i] = gen.send(inbox[i])
+                report.compress_s += time.perf_counter() - start
             except StopIteration as stop:
+                report.decompress_s += time.perf_counter() - start
                 outputs[i] = stop.value
                 del pending[i]
-        report.compress_s += time.perf_counter() - start
         if not requests:
             break
         results, flag_out = phase.run(requests, None if flag_known else flag)

@@ -25,20 +25,20 @@ _DENSE = NoCompression()
 
 
 def exchange(compressor: Compressor, g: torch.Tensor, ctx: TensorContext) -> Exchange:
-    """Compress one gradient with the compressor's feedback scheme; returns the aggregate (fp32)."""
+    """Compress one gradient with the compressor's feedback scheme; returns its :class:`Exchanged`."""
     x = g.detach().reshape(ctx.shape).float()
     compressed = compressor.compresses(ctx)
     run = compressor.exchange if compressed else _DENSE.exchange
     scheme = compressor.feedback
     if scheme == "none":
-        return (yield from run(x, ctx)).aggregate
+        return (yield from run(x, ctx))
     if scheme == "residual":
         residual = ctx.get("residual")
         p = x if residual is None else x + residual
         result = yield from run(p, ctx)
         # A tensor sent densely keeps no residual (it would be rounding noise at most).
         ctx.set("residual", p - result.sent if compressed else None)
-        return result.aggregate
+        return result
     if scheme == "momentum":
         return (yield from _momentum_corrected(compressor, x, ctx, run, compressed))
     raise ValueError(f"unknown feedback {scheme!r}; valid: {', '.join(FEEDBACKS)}")
@@ -72,4 +72,4 @@ def _momentum_corrected(compressor, g, ctx, run, compressed):
         # Sent whole: nothing accumulates and masking would erase the momentum, so keep u as it is.
         ctx.set("velocity", None)
     ctx.set("momentum", u)
-    return result.aggregate
+    return result

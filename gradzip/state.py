@@ -21,8 +21,8 @@ from .compressors.base import Compressor, TensorContext
 
 __all__ = ["GradzipState"]
 
-_COUNTERS = ("exchanges", "payload_bytes", "wire_bytes", "dense_bytes", "collectives", "compress_s",
-             "communicate_s", "nonfinite_exchanges")
+_COUNTERS = ("exchanges", "payload_bytes", "wire_bytes", "dense_bytes", "elements", "elements_sent",
+             "collectives", "compress_s", "communicate_s", "decompress_s", "nonfinite_exchanges")
 
 
 class GradzipState:
@@ -78,14 +78,14 @@ class GradzipState:
             # Keep the protocol identical on every rank: compress zeros, discard the result below.
             grads = [torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0) for g in grads]
         gens = [feedback.exchange(self.compressor, g, ctx) for g, ctx in zip(grads, contexts)]
-        aggregates, report = run_lockstep(gens, self.transport, nonfinite)
+        results, report = run_lockstep(gens, self.transport, nonfinite)
         if report.nonfinite:
             outputs = [torch.full_like(g, float("nan")) for g in grads]
         else:
-            outputs = [a.reshape(g.shape).to(g.dtype) for a, g in zip(aggregates, grads)]
+            outputs = [r.aggregate.reshape(g.shape).to(g.dtype) for r, g in zip(results, grads)]
             for ctx in contexts:
                 self._commit(ctx)
-        self._count(report, grads)
+        self._count(report, grads, results)
         return outputs
 
     def _commit(self, ctx: TensorContext) -> None:
@@ -97,15 +97,19 @@ class GradzipState:
                 slot[name] = value
         self.steps[ctx.key] = ctx.step + 1
 
-    def _count(self, report, grads) -> None:
+    def _count(self, report, grads, results) -> None:
         t = self.totals
         t["exchanges"] += 1
+        # Density: elements a sparsifier sent; every other method sends (a coded form of) each element.
+        t["elements"] += sum(g.numel() for g in grads)
+        t["elements_sent"] += sum(g.numel() if r.mask is None else int(r.mask.sum()) for r, g in zip(results, grads))
         t["payload_bytes"] += report.payload_bytes
         t["wire_bytes"] += report.wire_bytes
         t["dense_bytes"] += sum(g.numel() * g.element_size() for g in grads)
         t["collectives"] += report.collectives
         t["compress_s"] += report.compress_s
         t["communicate_s"] += report.communicate_s
+        t["decompress_s"] += report.decompress_s
         t["nonfinite_exchanges"] += int(report.nonfinite)
         self.last_report = report
 
@@ -140,6 +144,7 @@ class GradzipState:
         t = dict(self.totals)
         t["bytes_sent"] = t["wire_bytes"]
         t["ratio"] = t["dense_bytes"] / t["wire_bytes"] if t["wire_bytes"] else float("nan")
+        t["density"] = t["elements_sent"] / t["elements"] if t["elements"] else float("nan")
         t["compressor"] = self.compressor.name
         t["world_size"] = self.world_size
         return t

@@ -52,7 +52,11 @@ def test_world_size_one_applies_compression_and_feedback():
         sent = p.grad
         assert int((sent != 0).sum()) == max(1, -(-raw[name].numel() // 10))
         torch.testing.assert_close(sent + opt.state.tensors[name]["residual"], raw[name])
-    assert opt.stats()["world_size"] == 1
+    stats = opt.stats()
+    assert stats["world_size"] == 1
+    kept = sum(max(1, -(-p.numel() // 10)) for p in model.parameters())
+    assert stats["density"] == kept / sum(p.numel() for p in model.parameters())
+    assert stats["compress_s"] > 0 and stats["decompress_s"] > 0
 
 
 def _run_threads(world, fn):
