@@ -223,17 +223,24 @@ def _text(data_dir: Optional[Path], train: bool, seq_len: int):
 
 
 def _synthetic(train: bool, shape: tuple, classes: int, size: int, seed: int):
-    """Gaussian inputs labelled by a fixed random linear teacher: argmax(W x + b).
+    """Gaussian inputs labelled by a fixed random linear teacher: y = argmax(W^T x).
 
-    The classes are linearly separable, so any model can learn them.  The teacher depends on ``seed``
-    only; train and test inputs come from two other independent streams of the same seed.
+    The classes are linearly separable, so any model can learn them.  So that a few thousand samples
+    also *generalise* (an isotropic teacher in 784 dimensions would need far more), x = (B^T z + e) / sqrt(2)
+    with z a 16-dimensional Gaussian latent, e isotropic noise, and W = B^T V: still Gaussian inputs and a
+    linear teacher in x, but the label depends on a 16-dimensional projection.  The teacher (B, V)
+    depends on ``seed`` only; train and test inputs come from two other independent streams of that seed.
     """
     teacher_rng, train_rng, test_rng = (np.random.default_rng([seed, k]) for k in range(3))
     dim = math.prod(shape)
-    weight = teacher_rng.standard_normal((dim, classes), dtype=np.float32) / math.sqrt(dim)
-    bias = teacher_rng.standard_normal(classes, dtype=np.float32) * 0.1
-    x = (train_rng if train else test_rng).standard_normal((size, dim), dtype=np.float32)
-    y = (x @ weight + bias).argmax(1).astype(np.int64)
+    latent = min(16, dim)
+    basis = teacher_rng.standard_normal((latent, dim), dtype=np.float32) / math.sqrt(latent)
+    directions = teacher_rng.standard_normal((latent, classes), dtype=np.float32)
+    directions /= np.linalg.norm(directions, axis=0)  # equal norms keep the classes roughly balanced
+    rng = train_rng if train else test_rng
+    z = rng.standard_normal((size, latent), dtype=np.float32)
+    x = (z @ basis + rng.standard_normal((size, dim), dtype=np.float32)) / math.sqrt(2)
+    y = (x @ (basis.T @ directions)).argmax(1).astype(np.int64)
     return (torch.from_numpy(x).view(size, *shape), torch.from_numpy(y),
             DatasetInfo("synthetic", tuple(shape), classes, "classification"))
 

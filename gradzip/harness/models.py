@@ -11,7 +11,6 @@ import inspect
 import math
 from typing import Optional
 
-import torch
 import torch.nn.functional as F
 from torch import nn
 

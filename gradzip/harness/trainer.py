@@ -1,0 +1,434 @@
+"""Data-parallel training with any gradzip compressor: ``gradzip train`` runs this.
+
+``launch(config)`` starts ``config.workers`` local processes (torch.multiprocessing + gloo, NCCL when
+CUDA is present), or, under ``torchrun``, runs the current process as one worker of torchrun's group.
+Each worker trains with DDP + ``gradzip.register`` (or ``gradzip.DistributedOptimizer``), shards data with
+DistributedSampler, and rank 0 writes ``runs/<name>/metrics.jsonl`` (one line per step and per epoch),
+TensorBoard scalars and ``summary.json``.  Every rank checkpoints its own file (the model and optimizer
+are identical everywhere, the residuals are not) each epoch and every ``checkpoint_steps`` steps;
+``resume`` continues bit for bit, and a worker restarted by ``torchrun --max-restarts`` resumes by itself.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, Subset
+
+import gradzip
+
+from .data import load_dataset
+from .models import build_model
+
+__all__ = ["TrainConfig", "launch", "run_dir"]
+
+
+@dataclass
+class TrainConfig:
+    """Everything that defines a run.  Defaults: the PyTorch MNIST CNN on Fashion-MNIST, 2 workers."""
+
+    model: str = "cnn"
+    dataset: str = "fashion-mnist"
+    data_dir: Optional[str] = None
+    compressor: str = "none"
+    params: dict = field(default_factory=dict)
+    integration: str = "ddp"  # "ddp" (comm hook) or "optimizer" (DistributedOptimizer)
+    workers: int = 2
+    epochs: int = 1
+    batch_size: int = 32  # per worker
+    lr: float = 0.01
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    lr_warmup_epochs: float = 0.0
+    clip: Optional[float] = None  # clip the averaged gradient's global norm
+    seed: int = 0
+    target: Optional[float] = None  # test accuracy (perplexity for language models) to reach
+    train_size: Optional[int] = None  # use the first N training samples
+    test_size: Optional[int] = None
+    validation: float = 0.0  # hold out this fraction of the training set and evaluate on it instead of test
+    max_steps: Optional[int] = None  # per epoch
+    seq_len: int = 35
+    synthetic_shape: tuple = (1, 28, 28)
+    checkpoint_steps: Optional[int] = None
+    resume: bool = False
+    out_dir: str = "runs"
+    name: Optional[str] = None
+    progress: bool = True
+
+    def __post_init__(self):
+        if self.integration not in ("ddp", "optimizer"):
+            raise ValueError(f"integration must be 'ddp' or 'optimizer', got {self.integration!r}")
+        for key in ("workers", "epochs", "batch_size"):
+            if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
+                raise ValueError(f"{key} must be an integer >= 1, got {getattr(self, key)!r}")
+        if not 0 <= self.validation < 1:
+            raise ValueError(f"validation must be a fraction in [0, 1), got {self.validation!r}")
+        self.synthetic_shape = tuple(self.synthetic_shape)
+        gradzip.make(self.compressor, **self.params)  # fail early, in the launcher, on a bad method
+        if self.name is None:
+            self.name = f"{self.model}-{self.dataset}-{self.compressor}-w{self.workers}-s{self.seed}"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def run_dir(config: TrainConfig) -> Path:
+    return Path(config.out_dir) / config.name
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(config: TrainConfig) -> dict:
+    """Train; returns rank 0's summary.  Under torchrun this process is one worker of its group."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+        return _worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), config, torchrun=True)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(_free_port())
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_worker, args=(r, config.workers, config)) for r in range(config.workers)]
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            p.join()
+    finally:
+        for p in procs:  # one worker died: do not leave the others waiting in a collective forever
+            if p.is_alive():
+                p.kill()
+    failed = [r for r, p in enumerate(procs) if p.exitcode != 0]
+    if failed:
+        raise RuntimeError(f"worker(s) {failed} failed (exit codes {[procs[r].exitcode for r in failed]}); "
+                           f"see the messages above")
+    return json.loads((run_dir(config) / "summary.json").read_text())
+
+
+class _Writer:
+    """metrics.jsonl + TensorBoard, rank 0 only."""
+
+    def __init__(self, path: Path, keep_lines: Optional[int]):
+        self.path = path / "metrics.jsonl"
+        lines = self.path.read_text().splitlines() if (keep_lines is not None and self.path.exists()) else []
+        lines = lines[:keep_lines] if keep_lines is not None else []
+        self.path.write_text("".join(line + "\n" for line in lines))
+        self.lines = len(lines)
+        self.file = self.path.open("a")
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(path / "tensorboard"))
+        except ImportError:  # TensorBoard is optional: the JSON lines hold the same numbers
+            self.tb = None
+
+    def write(self, record: dict) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        self.lines += 1
+        if self.tb is not None:
+            step = record["step"]
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key not in ("step", "epoch"):
+                    self.tb.add_scalar(f"{record['kind']}/{key}", value, step)
+
+    def close(self):
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _split(dataset, config: TrainConfig):
+    n = len(dataset)
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(config.seed)).tolist()
+    n_val = int(config.validation * n)
+    return Subset(dataset, perm[n_val:]), Subset(dataset, perm[:n_val])
+
+
+def _datasets(config: TrainConfig):
+    # The data (synthetic data's teacher included) does not change with the run's seed; the seed changes
+    # initialisation, shuffling and dropout.
+    kwargs = dict(data_dir=config.data_dir, seq_len=config.seq_len, synthetic_shape=config.synthetic_shape)
+    train, info = load_dataset(config.dataset, train=True, **kwargs)
+    if config.train_size is not None:
+        train = Subset(train, range(min(config.train_size, len(train))))
+    if config.validation > 0:
+        train, evaluation = _split(train, config)
+    else:
+        evaluation, _ = load_dataset(config.dataset, train=False, **kwargs)
+        if config.test_size is not None:
+            evaluation = Subset(evaluation, range(min(config.test_size, len(evaluation))))
+    return train, evaluation, info
+
+
+def _loss_and_correct(model, x, y, language_model: bool):
+    out = model(x)
+    if language_model:
+        out, y = out.reshape(-1, out.shape[-1]), y.reshape(-1)
+    loss = nn.functional.cross_entropy(out, y)
+    return loss, (out.argmax(-1) == y).sum(), y.numel()
+
+
+@torch.no_grad()
+def _evaluate(model, dataset, rank, world, device, language_model, batch_size=512):
+    """Each rank scores its shard; sums are allreduced on the default group (not gradzip's)."""
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64)
+    for i in range(rank * batch_size, len(dataset), world * batch_size):
+        x, y = zip(*(dataset[j] for j in range(i, min(i + batch_size, len(dataset)))))
+        x, y = torch.stack(x).to(device), torch.stack(y).to(device)
+        loss, correct, count = _loss_and_correct(model, x, y, language_model)
+        totals += torch.tensor([loss.item() * count, correct.item(), count], dtype=torch.float64)
+    model.train()
+    if world > 1:
+        dist.all_reduce(totals)
+    loss = totals[0].item() / max(totals[2].item(), 1)
+    return loss, totals[1].item() / max(totals[2].item(), 1)
+
+
+def _checkpoint_path(directory: Path, rank: int) -> Path:
+    return directory / f"checkpoint-rank{rank}.pt"
+
+
+def _save(path: Path, payload: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(payload, tmp)
+    os.replace(tmp, path)  # atomic: a kill during the save leaves the previous checkpoint intact
+
+
+def _worker(rank: int, world: int, config: TrainConfig, torchrun: bool = False) -> dict:
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", local_rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    try:
+        return _train(rank, world, config, device, torchrun)
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(rank, world, config, device, torchrun):
+    directory = run_dir(config)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f"rank{rank}.pid").write_text(str(os.getpid()))
+    train_set, eval_set, info = _datasets(config)
+    language_model = info.task == "language_model"
+    torch.manual_seed(config.seed)
+    model = build_model(config.model, info).to(device)
+
+    params = dict(config.params)
+    compressor = gradzip.make(config.compressor, **params)
+    # Momentum-corrected feedback (DGC) carries the momentum itself: the optimizer must add none.
+    corrected = compressor.feedback == "momentum"
+    if corrected and "momentum" not in params:
+        params["momentum"] = config.momentum
+    opt_momentum = 0.0 if corrected else config.momentum
+    optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=opt_momentum,
+                                weight_decay=config.weight_decay)
+    if config.integration == "ddp":
+        net = nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+        state = gradzip.register(net, config.compressor, seed=config.seed, **params)
+        opt = optimizer
+    else:
+        net = model
+        opt = gradzip.DistributedOptimizer(optimizer, model.named_parameters(), config.compressor,
+                                           seed=config.seed, **params)
+        state = opt.state
+
+    sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=config.seed,
+                                 drop_last=True)
+    loader = DataLoader(train_set, batch_size=config.batch_size, sampler=sampler, drop_last=True)
+    steps_per_epoch = len(loader) if config.max_steps is None else min(len(loader), config.max_steps)
+    if steps_per_epoch == 0:
+        raise ValueError(f"no full batch of {config.batch_size} per worker: the training set has "
+                         f"{len(train_set)} samples for {world} workers")
+
+    start_epoch, start_batch, global_step, elapsed, lines = 0, 0, 0, 0.0, None
+    reached = None
+    ckpt = _checkpoint_path(directory, rank)
+    restarted = torchrun and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if (config.resume or restarted) and ckpt.exists():
+        saved = torch.load(ckpt, map_location=device, weights_only=False)
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        state.load_state_dict(saved["gradzip"])
+        start_epoch, start_batch, global_step = saved["epoch"], saved["batch"], saved["global_step"]
+        elapsed, lines, reached = saved["elapsed"], saved["metrics_lines"], saved.get("reached")
+    writer = _Writer(directory, lines) if rank == 0 else None
+    if rank == 0:
+        (directory / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
+
+    def checkpoint(epoch, batch):
+        _save(ckpt, {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                     "gradzip": state.state_dict(), "epoch": epoch, "batch": batch, "global_step": global_step,
+                     "elapsed": elapsed + time.perf_counter() - t_start,
+                     "metrics_lines": writer.lines if writer else None, "reached": reached})
+
+    progress = _progress(rank == 0 and config.progress, config.epochs * steps_per_epoch,
+                         start_epoch * steps_per_epoch + start_batch, config.name)
+    t_start = time.perf_counter()
+    epoch_record = None
+    step_times: dict = {}  # this process's sums (rank 0), for the summary's mean step breakdown
+    for epoch in range(start_epoch, config.epochs):
+        sampler.set_epoch(epoch)
+        state.set_epoch(epoch)
+        before_epoch = state.stats()
+        sums = torch.zeros(3, dtype=torch.float64)
+        epoch_t = time.perf_counter()
+        for batch, (x, y) in enumerate(loader):
+            if batch >= steps_per_epoch:
+                break
+            if epoch == start_epoch and batch < start_batch:
+                continue  # resuming inside an epoch: same permutation, skip what was done
+            x, y = x.to(device), y.to(device)
+            lr = _lr(config, epoch + batch / steps_per_epoch)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            torch.manual_seed(config.seed * 1_000_003 + rank * 7919 + global_step)  # dropout, reproducibly
+            before = state.stats()
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            loss, correct, count = _loss_and_correct(net, x, y, language_model)
+            loss.backward()
+            if config.clip is not None:
+                if config.integration == "optimizer":
+                    opt.synchronize()
+                nn.utils.clip_grad_norm_(model.parameters(), config.clip)
+            opt.step()
+            step_s = time.perf_counter() - t0
+            global_step += 1
+            after = state.stats()
+            sums += torch.tensor([loss.item() * count, correct.item(), count], dtype=torch.float64)
+            if writer:
+                record = _step_record(epoch, global_step, loss.item(), correct.item() / count, lr, step_s,
+                                      before, after, elapsed + time.perf_counter() - t_start, language_model)
+                writer.write(record)
+                for key in _TIMES:
+                    step_times[key] = step_times.get(key, 0.0) + record[key]
+            progress(loss.item())
+            if config.checkpoint_steps and global_step % config.checkpoint_steps == 0:
+                checkpoint(epoch, batch + 1)
+        if world > 1:
+            dist.all_reduce(sums)
+        eval_loss, eval_acc = _evaluate(model, eval_set, rank, world, device, language_model)
+        wall = elapsed + time.perf_counter() - t_start
+        score = math.exp(min(eval_loss, 50)) if language_model else eval_acc
+        if reached is None and config.target is not None and (
+                score <= config.target if language_model else score >= config.target):
+            reached = {"epoch": epoch + 1, "wall_s": wall, "step": global_step}
+        after = state.stats()
+        epoch_record = {
+            "kind": "epoch", "epoch": epoch, "step": global_step,
+            "train_loss": sums[0].item() / sums[2].item(), "train_accuracy": sums[1].item() / sums[2].item(),
+            "test_loss": eval_loss, "test_accuracy": eval_acc, "epoch_s": time.perf_counter() - epoch_t,
+            "wall_s": wall, "lr": lr, "density": _ratio(after, before_epoch, "elements_sent", "elements"),
+            **_byte_fields(before_epoch, after),
+        }
+        if language_model:
+            epoch_record["test_perplexity"] = math.exp(min(eval_loss, 50))
+            epoch_record["train_perplexity"] = math.exp(min(epoch_record["train_loss"], 50))
+        if writer:
+            writer.write(epoch_record)
+        checkpoint(epoch + 1, 0)
+    progress(None)
+    summary = None
+    if writer:
+        writer.close()
+        summary = _summary(config, state.stats(), epoch_record, reached,
+                           elapsed + time.perf_counter() - t_start, world, global_step)
+        steps_here = global_step - (start_epoch * steps_per_epoch + start_batch)
+        summary.update({f"mean_{k}": v / steps_here for k, v in step_times.items()} if steps_here else {})
+        (directory / "summary.json").write_text(json.dumps(summary, indent=2))
+    if world > 1:
+        dist.barrier()
+    return summary
+
+
+def _lr(config: TrainConfig, epoch_float: float) -> float:
+    if config.lr_warmup_epochs > 0 and epoch_float < config.lr_warmup_epochs:
+        return config.lr * (epoch_float + 1e-3) / config.lr_warmup_epochs
+    return config.lr
+
+
+def _ratio(after, before, num, den):
+    d = after[den] - before[den]
+    return (after[num] - before[num]) / d if d else float("nan")
+
+
+def _byte_fields(before, after) -> dict:
+    wire = after["wire_bytes"] - before["wire_bytes"]
+    dense = after["dense_bytes"] - before["dense_bytes"]
+    return {"bytes_sent": wire, "payload_bytes": after["payload_bytes"] - before["payload_bytes"],
+            "dense_bytes": dense, "ratio": dense / wire if wire else float("nan")}
+
+
+_TIMES = ("step_s", "compute_s", "compress_s", "communicate_s", "decompress_s")
+
+
+def _step_record(epoch, step, loss, accuracy, lr, step_s, before, after, wall, language_model) -> dict:
+    times = {k: after[f"{k}_s"] - before[f"{k}_s"] for k in ("compress", "communicate", "decompress")}
+    record = {
+        "kind": "step", "epoch": epoch, "step": step, "loss": loss, "accuracy": accuracy, "lr": lr,
+        "density": _ratio(after, before, "elements_sent", "elements"), **_byte_fields(before, after),
+        "step_s": step_s,
+        # Work on the communication thread overlaps backward, so compute is step time minus gradzip's
+        # time: a lower bound when overlap hides some of gradzip's work.
+        "compute_s": max(0.0, step_s - sum(times.values())),
+        **{f"{k}_s": v for k, v in times.items()},
+        "wall_s": wall,
+    }
+    if language_model:
+        record["perplexity"] = math.exp(min(loss, 50))
+    return record
+
+
+def _summary(config, stats, last_epoch, reached, wall, world, steps) -> dict:
+    score_key = "test_perplexity" if last_epoch and "test_perplexity" in last_epoch else "test_accuracy"
+    return {
+        "name": config.name, "compressor": config.compressor, "params": config.params, "workers": world,
+        "model": config.model, "dataset": config.dataset, "seed": config.seed, "lr": config.lr,
+        "epochs": config.epochs, "final_test_accuracy": last_epoch["test_accuracy"] if last_epoch else None,
+        "final_test_loss": last_epoch["test_loss"] if last_epoch else None,
+        "final_score": last_epoch.get(score_key) if last_epoch else None, "score": score_key,
+        "target": config.target, "time_to_target_s": reached["wall_s"] if reached else None,
+        "epochs_to_target": reached["epoch"] if reached else None,
+        "total_bytes_sent": stats["wire_bytes"], "total_dense_bytes": stats["dense_bytes"],
+        "mean_ratio": stats["ratio"], "mean_density": stats["density"], "wall_s": wall,
+        "steps": steps,
+    }
+
+
+def _progress(enabled: bool, total: int, done: int, name: str):
+    """A rich progress bar on rank 0; returns ``update(loss)`` (``update(None)`` closes it)."""
+    if not enabled:
+        return lambda loss: None
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                   TextColumn("loss {task.fields[loss]}"))
+    task = bar.add_task(name, total=total, completed=done, loss="-")
+    bar.start()
+
+    def update(loss):
+        if loss is None:
+            bar.stop()
+        else:
+            bar.update(task, advance=1, loss=f"{loss:.4f}")
+
+    return update
