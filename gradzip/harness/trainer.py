@@ -198,14 +198,35 @@ def _evaluate(model, dataset, rank, world, device, language_model, batch_size=51
     return loss, totals[1].item() / max(totals[2].item(), 1)
 
 
-def _checkpoint_path(directory: Path, rank: int) -> Path:
-    return directory / f"checkpoint-rank{rank}.pt"
+def _checkpoint_path(directory: Path, rank: int, step: int) -> Path:
+    return directory / f"checkpoint-rank{rank}-step{step}.pt"
 
 
-def _save(path: Path, payload: dict) -> None:
+def _checkpoint_steps(directory: Path, rank: int) -> list[int]:
+    return sorted(int(p.stem.rsplit("step", 1)[1]) for p in directory.glob(f"checkpoint-rank{rank}-step*.pt"))
+
+
+def _save(directory: Path, rank: int, step: int, payload: dict) -> None:
+    path = _checkpoint_path(directory, rank, step)
     tmp = path.with_suffix(".tmp")
     torch.save(payload, tmp)
-    os.replace(tmp, path)  # atomic: a kill during the save leaves the previous checkpoint intact
+    os.replace(tmp, path)  # atomic: a kill during the save leaves the previous checkpoints intact
+    # Keep two: ranks are at most one step apart, so a rank killed before its newest save can still
+    # resume together with the others from the one before.
+    for old in _checkpoint_steps(directory, rank)[:-2]:
+        _checkpoint_path(directory, rank, old).unlink(missing_ok=True)
+
+
+def _resume_step(directory: Path, rank: int, world: int) -> int:
+    """The newest checkpoint step every rank has (-1: none), agreed over the default group."""
+    mine = _checkpoint_steps(directory, rank)
+    steps = torch.tensor([mine[-1] if mine else -1], dtype=torch.int64)
+    if world > 1:
+        dist.all_reduce(steps, op=dist.ReduceOp.MIN)
+    step = int(steps)
+    if step >= 0 and step not in mine:
+        raise RuntimeError(f"rank {rank} has no checkpoint of step {step} to resume with the other ranks")
+    return step
 
 
 def _worker(rank: int, world: int, config: TrainConfig, torchrun: bool = False) -> dict:
@@ -261,10 +282,10 @@ def _train(rank, world, config, device, torchrun):
 
     start_epoch, start_batch, global_step, elapsed, lines = 0, 0, 0, 0.0, None
     reached = None
-    ckpt = _checkpoint_path(directory, rank)
     restarted = torchrun and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    if (config.resume or restarted) and ckpt.exists():
-        saved = torch.load(ckpt, map_location=device, weights_only=False)
+    resume_step = _resume_step(directory, rank, world) if (config.resume or restarted) else -1
+    if resume_step >= 0:
+        saved = torch.load(_checkpoint_path(directory, rank, resume_step), map_location=device, weights_only=False)
         model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
         state.load_state_dict(saved["gradzip"])
@@ -274,8 +295,12 @@ def _train(rank, world, config, device, torchrun):
     if rank == 0:
         (directory / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
 
+    if resume_step < 0:
+        for stale in _checkpoint_steps(directory, rank):  # a fresh run never resumes an older one's files
+            _checkpoint_path(directory, rank, stale).unlink()
+
     def checkpoint(epoch, batch):
-        _save(ckpt, {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+        _save(directory, rank, global_step, {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                      "gradzip": state.state_dict(), "epoch": epoch, "batch": batch, "global_step": global_step,
                      "elapsed": elapsed + time.perf_counter() - t_start,
                      "metrics_lines": writer.lines if writer else None, "reached": reached})

@@ -1,0 +1,124 @@
+"""`gradzip train` end to end: real worker processes, real data (scikit-learn digits), real files."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from gradzip.cli import app, parse_params
+
+STEP_FIELDS = {"kind", "epoch", "step", "loss", "accuracy", "lr", "density", "bytes_sent", "payload_bytes",
+               "dense_bytes", "ratio", "step_s", "compute_s", "compress_s", "communicate_s", "decompress_s",
+               "wall_s"}
+EPOCH_FIELDS = {"kind", "epoch", "step", "train_loss", "train_accuracy", "test_loss", "test_accuracy", "epoch_s",
+                "wall_s", "lr", "density", "bytes_sent", "payload_bytes", "dense_bytes", "ratio"}
+SUMMARY_FIELDS = {"final_test_accuracy", "time_to_target_s", "epochs_to_target", "total_bytes_sent", "mean_ratio",
+                  "mean_density", "wall_s", "mean_step_s", "mean_compute_s", "mean_compress_s",
+                  "mean_communicate_s", "mean_decompress_s"}
+DIGITS = ["--dataset", "digits", "--model", "mlp", "--batch-size", "16", "--no-progress", "--lr", "0.05"]
+
+
+def _train(tmp_path, *args):
+    result = CliRunner().invoke(app, ["train", *DIGITS, "--out-dir", str(tmp_path), *args])
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def _final_params(run: Path, rank: int = 0) -> dict:
+    steps = sorted(run.glob(f"checkpoint-rank{rank}-step*.pt"), key=lambda p: int(p.stem.rsplit("step", 1)[1]))
+    return torch.load(steps[-1], weights_only=False)["model"]
+
+
+def test_parse_params_types_values():
+    assert parse_params(["ratio=0.01", "nesterov=true", "value_dtype=float16", "clip_norm=none", "rank=2"]) == {
+        "ratio": 0.01, "nesterov": True, "value_dtype": "float16", "clip_norm": None, "rank": 2}
+
+
+def test_train_writes_every_metric_summary_and_tensorboard(tmp_path):
+    _train(tmp_path, "-c", "dgc", "-p", "ratio=0.05", "-p", "min_numel=256", "--epochs", "2", "--target", "0.5",
+           "--name", "run")
+    run = tmp_path / "run"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["kind"] == "step"]
+    epochs = [r for r in records if r["kind"] == "epoch"]
+    assert len(epochs) == 2 and len(steps) == 2 * (1437 // 2 // 16)
+    assert all(STEP_FIELDS <= set(r) for r in steps) and all(EPOCH_FIELDS <= set(r) for r in epochs)
+    assert [r["step"] for r in steps] == list(range(1, len(steps) + 1))
+    # DGC's warm-up (4 epochs by default): density 25% in epoch 0, 6.25% in epoch 1 for compressed tensors.
+    assert epochs[0]["density"] > epochs[1]["density"] > 0
+    assert all(r["bytes_sent"] > 0 and r["ratio"] > 1 for r in steps)
+    summary = json.loads((run / "summary.json").read_text())
+    assert SUMMARY_FIELDS <= set(summary)
+    assert summary["final_test_accuracy"] == epochs[-1]["test_accuracy"] > 0.5
+    assert summary["epochs_to_target"] in (1, 2) and summary["time_to_target_s"] > 0
+    assert summary["total_bytes_sent"] == sum(r["bytes_sent"] for r in steps)
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_resume_continues_exactly(tmp_path):
+    _train(tmp_path / "a", "-c", "topk", "-p", "ratio=0.1", "--epochs", "2", "--name", "r")
+    _train(tmp_path / "b", "-c", "topk", "-p", "ratio=0.1", "--epochs", "1", "--name", "r")
+    _train(tmp_path / "b", "-c", "topk", "-p", "ratio=0.1", "--epochs", "2", "--name", "r", "--resume")
+    whole, resumed = _final_params(tmp_path / "a" / "r"), _final_params(tmp_path / "b" / "r")
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+    a = (tmp_path / "a" / "r" / "metrics.jsonl").read_text().splitlines()
+    b = (tmp_path / "b" / "r" / "metrics.jsonl").read_text().splitlines()
+    assert len(a) == len(b)
+
+
+def test_bad_input_is_one_clear_line(tmp_path):
+    result = CliRunner().invoke(app, ["train", "--dataset", "mnist", "--out-dir", str(tmp_path)])
+    assert result.exit_code == 2 and "--data-dir" in result.output
+    result = CliRunner().invoke(app, ["train", *DIGITS, "-c", "topk", "-p", "ratoi=1", "--out-dir", str(tmp_path)])
+    assert result.exit_code == 2 and "valid: ratio" in result.output
+
+
+def _port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sigkilled_worker_restarts_under_torchrun_and_the_run_finishes_exactly(tmp_path):
+    args = [*DIGITS, "-c", "topk", "-p", "ratio=0.1", "--epochs", "3", "--checkpoint-steps", "10",
+            "--out-dir", str(tmp_path)]
+    assert CliRunner().invoke(app, ["train", *args, "--name", "uninterrupted"]).exit_code == 0
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "2",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_port()}", "-m", "gradzip", "train", *args,
+           "--name", "killed"]
+    run = tmp_path / "killed"
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 120
+        killed = None
+        while time.time() < deadline and killed is None:
+            metrics = run / "metrics.jsonl"
+            lines = metrics.read_text().splitlines() if metrics.exists() else []
+            if len(lines) >= 25 and list(run.glob("checkpoint-rank1-step*.pt")):
+                killed = int((run / "rank1.pid").read_text())
+                os.kill(killed, signal.SIGKILL)
+            time.sleep(0.05)
+        assert killed, "the run never reached step 25"
+        output, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output[-3000:]
+    assert int((run / "rank1.pid").read_text()) != killed, "rank 1 was not restarted"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["epochs"] == 3
+    expected = _final_params(tmp_path / "uninterrupted")
+    got = _final_params(run)
+    assert all(torch.equal(expected[k], got[k]) for k in expected), "resume after the kill was not exact"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records if r["kind"] == "step"]
+    assert steps == list(range(1, len(steps) + 1)), "metrics repeat or skip steps after the restart"
