@@ -64,6 +64,7 @@ def train(
     validation: float = typer.Option(0.0, help="hold out this fraction of train for evaluation"),
     max_steps: Optional[int] = typer.Option(None, help="cap on steps per epoch"),
     seq_len: int = 35,
+    netem: Optional[str] = typer.Option(None, help='emulated link per worker, e.g. "rate=100mbit" (root)'),
     checkpoint_steps: Optional[int] = typer.Option(None, help="also checkpoint every N steps"),
     resume: bool = typer.Option(False, help="continue from runs/<name>/checkpoint-rank*.pt"),
     out_dir: str = "runs",
@@ -79,13 +80,17 @@ def train(
                              batch_size=batch_size, lr=lr, momentum=momentum, weight_decay=weight_decay,
                              lr_warmup_epochs=lr_warmup_epochs, clip=clip, seed=seed, target=target,
                              train_size=train_size, test_size=test_size, validation=validation,
-                             max_steps=max_steps, seq_len=seq_len, checkpoint_steps=checkpoint_steps,
+                             max_steps=max_steps, seq_len=seq_len, netem=netem, checkpoint_steps=checkpoint_steps,
                              resume=resume, out_dir=out_dir, name=name, progress=progress)
         _check_data(config)
     except (ValueError, FileNotFoundError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
-    summary = launch(config)
+    try:
+        summary = launch(config)
+    except (PermissionError, RuntimeError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1)
     if summary is not None:
         typer.echo(json.dumps(summary, indent=2))
 
@@ -144,6 +149,61 @@ def _check_data(config) -> None:
 
     load_dataset(config.dataset, data_dir=config.data_dir, train=False, seq_len=config.seq_len,
                  synthetic_shape=config.synthetic_shape)
+
+
+@app.command()
+def sweep(
+    config: Path = typer.Argument(..., help="the sweep's TOML file (see configs/)"),
+    out_dir: Optional[str] = typer.Option(None, help="overrides the file's out_dir"),
+    name: Optional[str] = typer.Option(None, help="overrides the file's name (default: the file's stem)"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="list the planned runs and exit"),
+    report: bool = typer.Option(True, help="render results.md, results.csv and plots at the end"),
+):
+    """Run a grid of trainings from a TOML file; rerunning continues where a killed sweep stopped."""
+    from .harness.sweep import load_sweep, main_runs, run_sweep, tuning_runs
+
+    try:
+        plan = load_sweep(config, out_dir=out_dir, name=name)
+        tuning, runs = tuning_runs(plan), main_runs(plan)
+        for run in {(r.config.dataset, r.config.data_dir): r for r in tuning + runs}.values():
+            _check_data(run.config)
+    except (ValueError, FileNotFoundError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
+    if dry_run:
+        for run in tuning:
+            typer.echo(f"tune {run.name}: {run.config.compressor} {run.config.params} lr={run.config.lr:g} "
+                       f"validation={run.config.validation:g}")
+        for run in {r.name: r for r in runs}.values():
+            lr = "tuned" if run.tuned else f"{run.config.lr:g}"
+            typer.echo(f"run  {run.name}: {run.config.compressor} {run.config.params} lr={lr}")
+        typer.echo(f"{len(tuning)} tuning runs and {len({r.name for r in runs})} runs (tuned runs whose lr equals "
+                   f"the untuned one share its run) in {plan.directory}")
+        return
+    try:
+        counts = run_sweep(plan, log=typer.echo, report=report)
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
+    typer.echo(f"{counts['ran']} runs ran, {counts['skipped']} were finished before"
+               + (f"; results in {plan.directory}/results.md" if report else ""))
+    if counts["failed"]:
+        typer.echo(f"{len(counts['failed'])} runs failed (rerun the sweep to retry them): "
+                   + ", ".join(counts["failed"]), err=True)
+        raise typer.Exit(1)
+
+
+@app.command()
+def report(directory: Path = typer.Argument(..., help="a sweep's directory, or any directory of runs")):
+    """Re-render a sweep's results.md, results.csv and plots from its finished runs."""
+    from .harness.report import render
+
+    try:
+        paths = render(directory)
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
+    typer.echo("wrote " + ", ".join(str(p) for p in paths))
 
 
 def main():

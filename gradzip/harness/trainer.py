@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from multiprocessing import connection as mp_connection
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
@@ -60,6 +61,7 @@ class TrainConfig:
     max_steps: Optional[int] = None  # per epoch
     seq_len: int = 35
     synthetic_shape: tuple = (1, 28, 28)
+    netem: Optional[str] = None  # e.g. "rate=100mbit": each worker in its own network namespace (root)
     checkpoint_steps: Optional[int] = None
     resume: bool = False
     out_dir: str = "runs"
@@ -76,6 +78,10 @@ class TrainConfig:
             raise ValueError(f"validation must be a fraction in [0, 1), got {self.validation!r}")
         self.synthetic_shape = tuple(self.synthetic_shape)
         gradzip.make(self.compressor, **self.params)  # fail early, in the launcher, on a bad method
+        if self.netem is not None:
+            from ..netem import parse_netem
+
+            parse_netem(self.netem)
         if self.name is None:
             self.name = f"{self.model}-{self.dataset}-{self.compressor}-w{self.workers}-s{self.seed}"
 
@@ -96,20 +102,38 @@ def _free_port() -> int:
 def launch(config: TrainConfig) -> dict:
     """Train; returns rank 0's summary.  Under torchrun this process is one worker of its group."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+        if config.netem is not None:
+            raise ValueError("--netem starts its own emulated hosts; it cannot run under torchrun")
         return _worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), config, torchrun=True)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if config.netem is None:
+        return _spawn(config, None)
+    from ..netem import EmulatedCluster, parse_netem
+
+    with EmulatedCluster(config.workers, parse_netem(config.netem)) as cluster:
+        return _spawn(config, cluster)
+
+
+def _spawn(config: TrainConfig, cluster) -> dict:
+    os.environ["MASTER_ADDR"] = cluster.address(0) if cluster else "127.0.0.1"
     os.environ["MASTER_PORT"] = str(_free_port())
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, config.workers, config)) for r in range(config.workers)]
+    procs = [ctx.Process(target=_worker, args=(r, config.workers, config, False,
+                                               cluster.namespace(r) if cluster else None))
+             for r in range(config.workers)]
     for p in procs:
         p.start()
     try:
-        for p in procs:
-            p.join()
+        running = list(procs)
+        while running:
+            mp_connection.wait([p.sentinel for p in running])
+            running = [p for p in running if p.exitcode is None]
+            if any(p.exitcode for p in procs):
+                break  # a dead worker leaves the others blocked in a collective: stop them now
     finally:
-        for p in procs:  # one worker died: do not leave the others waiting in a collective forever
+        for p in procs:
             if p.is_alive():
                 p.kill()
+            p.join()
     failed = [r for r, p in enumerate(procs) if p.exitcode != 0]
     if failed:
         raise RuntimeError(f"worker(s) {failed} failed (exit codes {[procs[r].exitcode for r in failed]}); "
@@ -229,7 +253,13 @@ def _resume_step(directory: Path, rank: int, world: int) -> int:
     return step
 
 
-def _worker(rank: int, world: int, config: TrainConfig, torchrun: bool = False) -> dict:
+def _worker(rank: int, world: int, config: TrainConfig, torchrun: bool = False,
+            namespace: Optional[str] = None) -> dict:
+    if namespace is not None:
+        from ..netem import INTERFACE, enter_namespace
+
+        enter_namespace(namespace)  # before any socket: gloo's threads inherit the namespace
+        os.environ["GLOO_SOCKET_IFNAME"] = INTERFACE
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))

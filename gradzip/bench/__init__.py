@@ -1,0 +1,1 @@
+"""Benchmarks: ``gradzip bench kernels`` times every compressor against one memory pass."""
