@@ -177,8 +177,8 @@ def sweep(
         for run in {r.name: r for r in runs}.values():
             lr = "tuned" if run.tuned else f"{run.config.lr:g}"
             typer.echo(f"run  {run.name}: {run.config.compressor} {run.config.params} lr={lr}")
-        typer.echo(f"{len(tuning)} tuning runs and {len({r.name for r in runs})} runs (tuned runs whose lr equals "
-                   f"the untuned one share its run) in {plan.directory}")
+        typer.echo(f"{len(tuning)} tuning runs and {len({r.name for r in runs})} runs in {plan.directory} (a tuned "
+                   f"run whose lr turns out to be the untuned one's shares that run)")
         return
     try:
         counts = run_sweep(plan, log=typer.echo, report=report)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 import statistics
 from pathlib import Path
 from typing import Optional
@@ -58,7 +59,8 @@ def load_runs(directory) -> tuple:
 def _entry_from_summary(directory: Path, path: Path) -> dict:
     s = json.loads(path.read_text())
     params = s.get("params") or {}
-    label = "-".join([s["compressor"]] + [f"{k}{v}" for k, v in params.items()])
+    # Runs named alike but for the seed (gradzip train's default names) are seeds of one setting.
+    label = re.sub(rf"(-w{s['workers']})?-s{s['seed']}$", "", s["name"])
     return {"name": s["name"], "path": str(path.parent.relative_to(directory)), "label": label,
             "group": s["compressor"], "compressor": s["compressor"], "params": params, "sweep_param": None,
             "value": None, "workers": s["workers"], "seed": s["seed"], "lr": s["lr"], "tuned": None}
@@ -76,16 +78,17 @@ def _mean_std(values) -> tuple:
 
 
 def aggregate(runs: list) -> list:
-    """One row per (label, workers, tuned), in the order the runs were planned; statistics over seeds."""
+    """One row per (label, workers, tuned, lr), in the order the runs were planned; statistics over seeds."""
     groups: dict = {}
     for run in runs:
-        groups.setdefault((run["label"], run["workers"], run["tuned"]), []).append(run)
+        groups.setdefault((run["label"], run["workers"], run["tuned"], run["summary"]["lr"]), []).append(run)
     rows = []
-    for (label, workers, tuned), members in groups.items():
+    for (label, workers, tuned, _), members in groups.items():
         first, summaries = members[0], [m["summary"] for m in members]
         row = {k: first[k] for k in ("label", "group", "compressor", "params", "sweep_param", "value")}
+        row["overrides"] = first.get("overrides") or {}
         row.update(workers=workers, tuned=tuned, runs=members, seeds=len(members),
-                   lr=sorted({s["lr"] for s in summaries}), score_name=first["summary"]["score"],
+                   lr=first["summary"]["lr"], score_name=first["summary"]["score"],
                    reached=sum(s.get("time_to_target_s") is not None for s in summaries),
                    target=first["summary"].get("target"))
         fields = {
@@ -124,14 +127,15 @@ _CSV_STATS = ("score", "test_loss", "train_loss", "time_to_target_s", "epochs_to
 
 
 def write_csv(rows: list, path: Path) -> None:
-    columns = ["label", "group", "compressor", "params", "workers", "tuned", "lr", "seeds", "score_name",
+    columns = ["label", "group", "compressor", "params", "overrides", "workers", "tuned", "lr", "seeds", "score_name",
                "target", "reached"] + [f"{k}{s}" for k in _CSV_STATS for s in ("", "_std")]
     with path.open("w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(columns)
         for row in rows:
             values = {**row, "params": json.dumps(row["params"], sort_keys=True),
-                      "lr": " ".join(f"{lr:g}" for lr in row["lr"]), "tuned": "" if row["tuned"] is None else row["tuned"]}
+                      "overrides": json.dumps(row["overrides"], sort_keys=True),
+                      "tuned": "" if row["tuned"] is None else row["tuned"]}
             writer.writerow(["" if values.get(c) is None else values[c] for c in columns])
 
 
@@ -144,7 +148,9 @@ def _pm(mean, std, digits: int) -> str:
 
 
 def _params_text(row: dict) -> str:
-    return ", ".join(f"{k}={v}" for k, v in row["params"].items()) or "—"
+    """The compressor's parameters, then the method's own [base] settings (e.g. ``netem``) after a ";"."""
+    parts = [", ".join(f"{k}={v}" for k, v in d.items()) for d in (row["params"], row["overrides"]) if d]
+    return "; ".join(parts) or "—"
 
 
 def write_markdown(rows: list, path: Path, *, title: str, description: str, finished: int, planned: int,
@@ -169,8 +175,9 @@ def write_markdown(rows: list, path: Path, *, title: str, description: str, fini
     lines += ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     for r in rows:
         reached = "" if r["reached"] in (0, r["seeds"]) else f" ({r['reached']}/{r['seeds']})"
-        cells = ([r["label"], _params_text(r), str(r["workers"])] + (["yes" if r["tuned"] else "no"] if has_tuned else [])
-                 + [" ".join(f"{lr:g}" for lr in r["lr"]), str(r["seeds"]),
+        cells = ([r["label"], _params_text(r), str(r["workers"])]
+                 + (["yes" if r["tuned"] else "no"] if has_tuned else [])
+                 + [f"{r['lr']:g}", str(r["seeds"]),
                     _pm(r["score"], r["score_std"], 2 if lm else 4), _pm(r["test_loss"], r["test_loss_std"], 4),
                     _pm(r["train_loss"], r["train_loss_std"], 4),
                     _pm(r["time_to_target_s"], r["time_to_target_s_std"], 1) + reached,
@@ -206,14 +213,16 @@ def _pivot(rows: list, score: str, lm: bool) -> list:
     columns = list(dict.fromkeys((r["group"], r["workers"], r["tuned"]) for r in swept))
     params = list(dict.fromkeys(r["sweep_param"] for r in swept))
     lines = ["", f"## {score} / test loss by {', '.join(params)}", "",
-             "| " + " / ".join(params) + " | " + " | ".join(f"{g} w{w}" + (" tuned" if t else "") for g, w, t in columns)
-             + " |", "|---|" + "---|" * len(columns)]
+             "| " + " / ".join(params) + " | "
+             + " | ".join(f"{g} w{w}" + (" tuned" if t else "") for g, w, t in columns) + " |",
+             "|---|" + "---|" * len(columns)]
     cells = {(r["group"], r["workers"], r["tuned"], json.dumps(r["value"])): r for r in swept}
     for value in dict.fromkeys(json.dumps(r["value"]) for r in swept):
         line = []
         for column in columns:
             r = cells.get(column + (value,))
-            line.append("" if r is None else f"{_pm(r['score'], None, 2 if lm else 4)} / {_pm(r['test_loss'], None, 4)}")
+            line.append("" if r is None
+                        else f"{_pm(r['score'], None, 2 if lm else 4)} / {_pm(r['test_loss'], None, 4)}")
         lines.append(f"| {json.loads(value)} | " + " | ".join(line) + " |")
     return lines
 
@@ -291,6 +300,9 @@ def plot_accuracy_vs_density(rows: list, path: Path, lm: bool) -> None:
         ax.set_xlim(left=0)
     elif densities:
         ax.set_xscale("log")
+    from matplotlib.ticker import FuncFormatter
+
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))  # 0.1, 1, 10, 100 as in a k% table
     ax.set_xlabel("density: % of gradient elements sent (log scale)")
     ax.set_ylabel("final test perplexity" if lm else "final test accuracy")
     ax.set_title(f"Final test {'perplexity' if lm else 'accuracy'} vs density (mean ± std over seeds)")

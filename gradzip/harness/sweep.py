@@ -140,9 +140,10 @@ class Run:
         """What the report needs to know beyond the run's summary.json."""
         m = self.method
         # The path is relative to the sweep's directory, so that a moved sweep still reports.
-        return {"name": self.name, "path": f"{Path(self.config.out_dir).name}/{self.name}", "label": m.label, "group": m.group,
-                "compressor": m.compressor, "params": m.params, "sweep_param": m.sweep_param, "value": m.value,
-                "workers": self.config.workers, "seed": self.config.seed, "lr": self.config.lr,
+        return {"name": self.name, "path": f"{Path(self.config.out_dir).name}/{self.name}", "label": m.label,
+                "group": m.group, "compressor": m.compressor, "params": m.params, "overrides": m.overrides,
+                "sweep_param": m.sweep_param,
+                "value": m.value, "workers": self.config.workers, "seed": self.config.seed, "lr": self.config.lr,
                 "tuned": self.tuned}
 
 
@@ -170,7 +171,7 @@ def parse_sweep(data: dict, *, default_name: str = "sweep", out_dir: Optional[st
     _check_keys(base, BASE_KEYS, "[base]")
     grid = _table(data, "grid", "the sweep")
     _check_keys(grid, GRID_KEYS, "[grid]")
-    workers = _int_list(grid.get("workers", [base.get("workers", 2)]), "[grid] workers", low=1)
+    workers = _int_list(grid.get("workers", [2]), "[grid] workers", low=1)
     seeds = _int_list(grid.get("seeds", [0]), "[grid] seeds", low=0)
     tuning = _tuning(data["tuning"]) if "tuning" in data else None
     keep = data.get("keep_checkpoints", False)
@@ -231,7 +232,8 @@ def _tuning(table) -> Tuning:
         raise ValueError(f"tuned in [tuning] must be true, false or \"both\", got {tuned!r}")
     return Tuning(lrs=tuple(float(v) for v in lrs), validation=float(validation),
                   seeds=_int_list(table.get("seeds", [0]), "[tuning] seeds", low=0),
-                  workers=_optional_int(table, "workers", "[tuning]"), epochs=_optional_int(table, "epochs", "[tuning]"),
+                  workers=_optional_int(table, "workers", "[tuning]"),
+                  epochs=_optional_int(table, "epochs", "[tuning]"),
                   max_steps=_optional_int(table, "max_steps", "[tuning]"), tuned=tuned)
 
 
@@ -322,7 +324,7 @@ def tuning_runs(sweep: Sweep) -> list:
 
 def main_runs(sweep: Sweep, lrs: Optional[dict] = None) -> list:
     """The sweep's runs.  ``lrs`` maps (label, workers) to the tuned lr; a tuned run without one (a dry run)
-    is planned with the untuned lr.  A tuned run whose lr equals the untuned one shares that run."""
+    is planned with the base lr.  A tuned run whose lr equals the untuned one shares that run."""
     runs = []
     variants = (None,) if sweep.tuning is None else sweep.tuning.variants
     for m in sweep.methods:
@@ -331,7 +333,7 @@ def main_runs(sweep: Sweep, lrs: Optional[dict] = None) -> list:
                 untuned = None
                 for tuned in variants:
                     lr = (lrs or {}).get((m.label, w)) if tuned else None
-                    if tuned and untuned is not None and (lr is None or lr == untuned.config.lr):
+                    if tuned and untuned is not None and lr == untuned.config.lr:
                         runs.append(Run(untuned.config, m, True))
                         continue
                     name = f"{m.label}-tuned-w{w}-s{s}" if tuned else f"{m.label}-w{w}-s{s}"
@@ -442,7 +444,7 @@ def run_sweep(sweep: Sweep, *, log: Callable[[str], None] = print, report: bool 
     directory = sweep.directory
     tuning = tuning_runs(sweep)
     planned = main_runs(sweep)
-    for run in tuning + planned:
+    for run in tuning + [r for r in planned if not r.tuned]:  # tuned runs' lrs are not known yet
         _check_same_config(run)
     directory.mkdir(parents=True, exist_ok=True)
     _write_json(directory / "sweep.json", _manifest(sweep, tuning, planned, None))
@@ -464,6 +466,7 @@ def run_sweep(sweep: Sweep, *, log: Callable[[str], None] = print, report: bool 
     if tuning:
         chosen, record = _choose(sweep, tuning, execute(tuning, "tune"))
         _write_json(directory / "tuned_lrs.json", record)
+        log("tuned lrs: " + (", ".join(f"{label} w{w} {lr:g}" for (label, w), lr in chosen.items()) or "none"))
         counts["tuned_lrs"] = record["methods"]
         lrs = {f"{label}-w{w}": lr for (label, w), lr in chosen.items()}
         planned = [r for r in main_runs(sweep, chosen)
@@ -475,5 +478,8 @@ def run_sweep(sweep: Sweep, *, log: Callable[[str], None] = print, report: bool 
     if report:
         from .report import render
 
-        render(directory)
+        try:
+            render(directory)
+        except ValueError as exc:  # e.g. every run failed: the counts still say which
+            log(f"no report: {exc}")
     return counts

@@ -267,11 +267,25 @@ def _worker(rank: int, world: int, config: TrainConfig, torchrun: bool = False,
     device = torch.device("cuda", local_rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    backend = "nccl" if cuda else "gloo"
+    if torchrun:
+        dist.init_process_group(backend, store=_restart_store(rank, world), rank=rank, world_size=world)
+    else:
+        dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         return _train(rank, world, config, device, torchrun)
     finally:
         dist.destroy_process_group()
+
+
+def _restart_store(rank: int, world: int):
+    """torchrun's store outlives a restart: without a per-restart prefix, the new workers read the dead
+    ones' addresses from it and fail to connect (seen with gloo on torch 2.13)."""
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=not agent_hosts_it and rank == 0)
+    return dist.PrefixStore(f"gradzip/restart{restart}/", store)
 
 
 def _train(rank, world, config, device, torchrun):
