@@ -32,7 +32,9 @@ import gradzip
 from .data import load_dataset
 from .models import build_model
 
-__all__ = ["TrainConfig", "launch", "run_dir"]
+__all__ = ["TrainConfig", "launch", "run_dir", "BASELINES"]
+
+BASELINES = ("allreduce", "torch-fp16", "torch-powersgd", "nocomm")
 
 
 @dataclass
@@ -45,6 +47,9 @@ class TrainConfig:
     compressor: str = "none"
     params: dict = field(default_factory=dict)
     integration: str = "ddp"  # "ddp" (comm hook) or "optimizer" (DistributedOptimizer)
+    # Instead of gradzip, a reference DDP hook: "allreduce" (DDP's own), "torch-fp16" and "torch-powersgd"
+    # (PyTorch's ddp_comm_hooks), or "nocomm" (no exchange at all: the compute-only limit).
+    baseline: Optional[str] = None
     workers: int = 2
     epochs: int = 1
     batch_size: int = 32  # per worker
@@ -74,6 +79,10 @@ class TrainConfig:
         for key in ("workers", "epochs", "batch_size"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
                 raise ValueError(f"{key} must be an integer >= 1, got {getattr(self, key)!r}")
+        if self.baseline is not None and self.baseline not in BASELINES:
+            raise ValueError(f"baseline must be one of {', '.join(BASELINES)}, got {self.baseline!r}")
+        if self.baseline is not None and (self.compressor != "none" or self.integration != "ddp"):
+            raise ValueError("a baseline hook replaces gradzip: use it with compressor 'none' and integration 'ddp'")
         if not 0 <= self.validation < 1:
             raise ValueError(f"validation must be a fraction in [0, 1), got {self.validation!r}")
         self.synthetic_shape = tuple(self.synthetic_shape)
@@ -278,6 +287,25 @@ def _worker(rank: int, world: int, config: TrainConfig, torchrun: bool = False,
         dist.destroy_process_group()
 
 
+def _no_communication(state, bucket):
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+def _register_baseline(net, baseline: str) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if baseline == "torch-fp16":
+        net.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif baseline == "torch-powersgd":
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=2,
+                                            start_powerSGD_iter=10)
+        net.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    elif baseline == "nocomm":
+        net.register_comm_hook(None, _no_communication)
+
+
 def _restart_store(rank: int, world: int):
     """torchrun's store outlives a restart: without a per-restart prefix, the new workers read the dead
     ones' addresses from it and fail to connect (seen with gloo on torch 2.13)."""
@@ -308,7 +336,11 @@ def _train(rank, world, config, device, torchrun):
                                 weight_decay=config.weight_decay)
     if config.integration == "ddp":
         net = nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
-        state = gradzip.register(net, config.compressor, seed=config.seed, **params)
+        if config.baseline is None:
+            state = gradzip.register(net, config.compressor, seed=config.seed, **params)
+        else:
+            state = gradzip.GradzipState("none")  # unused: keeps the bookkeeping below uniform (zeros)
+            _register_baseline(net, config.baseline)
         opt = optimizer
     else:
         net = model
@@ -393,6 +425,7 @@ def _train(rank, world, config, device, torchrun):
             progress(loss.item())
             if config.checkpoint_steps and global_step % config.checkpoint_steps == 0:
                 checkpoint(epoch, batch + 1)
+        train_s = time.perf_counter() - epoch_t
         if world > 1:
             dist.all_reduce(sums)
         eval_loss, eval_acc = _evaluate(model, eval_set, rank, world, device, language_model)
@@ -406,6 +439,7 @@ def _train(rank, world, config, device, torchrun):
             "kind": "epoch", "epoch": epoch, "step": global_step,
             "train_loss": sums[0].item() / sums[2].item(), "train_accuracy": sums[1].item() / sums[2].item(),
             "test_loss": eval_loss, "test_accuracy": eval_acc, "epoch_s": time.perf_counter() - epoch_t,
+            "train_s": train_s,
             "wall_s": wall, "lr": lr, "density": _ratio(after, before_epoch, "elements_sent", "elements"),
             **_byte_fields(before_epoch, after),
         }

@@ -1,0 +1,92 @@
+"""End-to-end benchmark: does compression make training faster on a given link?
+
+For each link (an emulated cluster per setting, one network namespace per worker) it trains the
+Fashion-MNIST CNN with every contender — DDP's own allreduce, PyTorch's fp16 and PowerSGD hooks, a
+no-communication hook (the compute-only limit) and gradzip's methods — for the same number of steps,
+and reports the training epoch time, step time and test accuracy, with ratios against dense and
+against the limit, all measured in the same run.  A contender that crashes is reported as crashed.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from ..harness.trainer import TrainConfig, launch
+
+LINKS = ("rate=100mbit", "rate=1gbit", "rate=10gbit", "unthrottled")
+
+# (label, baseline hook or None, gradzip compressor, its parameters)
+CONTENDERS = [
+    ("dense allreduce", "allreduce", "none", {}),
+    ("torch fp16 hook", "torch-fp16", "none", {}),
+    ("torch PowerSGD hook", "torch-powersgd", "none", {}),
+    ("no communication (limit)", "nocomm", "none", {}),
+    ("gradzip fp16", None, "fp16", {}),
+    ("gradzip powersgd r2", None, "powersgd", {"rank": 2, "dense_steps": 10}),
+    ("gradzip dgc 0.1%", None, "dgc", {"ratio": 0.001, "warmup_epochs": 0}),
+    ("gradzip topk 1%", None, "topk", {"ratio": 0.01}),
+    ("gradzip efsignsgd", None, "efsignsgd", {}),
+]
+
+
+@dataclass
+class Result:
+    link: str
+    label: str
+    epoch_s: Optional[float] = None
+    step_s: Optional[float] = None
+    accuracy: Optional[float] = None
+    mb_sent: Optional[float] = None
+    error: Optional[str] = None
+
+
+def run(links=LINKS, workers: int = 4, steps: int = 150, batch_size: int = 32, lr: float = 0.01,
+        out_dir: str = "runs/bench-e2e", contenders=CONTENDERS, log=print) -> list[Result]:
+    results = []
+    for link in links:
+        for label, baseline, compressor, params in contenders:
+            config = TrainConfig(compressor=compressor, params=dict(params), baseline=baseline, workers=workers,
+                                 epochs=1, max_steps=steps, batch_size=batch_size, lr=lr, test_size=2000,
+                                 netem=None if link == "unthrottled" else link, out_dir=out_dir,
+                                 name=f"{link.replace('=', '-')}-{label.replace(' ', '_')}", progress=False)
+            start = time.perf_counter()
+            try:
+                launch(config)
+            except Exception as exc:  # a crash of a contender is a result, not a benchmark failure
+                results.append(Result(link, label, error=str(exc).splitlines()[0][:200]))
+                log(f"{link:14s} {label:26s} CRASHED: {results[-1].error}")
+                continue
+            epoch = [json.loads(line) for line in open(f"{out_dir}/{config.name}/metrics.jsonl")
+                     if '"kind": "epoch"' in line][-1]
+            summary = json.load(open(f"{out_dir}/{config.name}/summary.json"))
+            results.append(Result(link, label, epoch["train_s"], summary["mean_step_s"], epoch["test_accuracy"],
+                                  summary["total_bytes_sent"] / 2**20 if baseline is None else None))
+            r = results[-1]
+            log(f"{link:14s} {label:26s} epoch {r.epoch_s:7.2f} s  step {1000 * r.step_s:7.1f} ms  "
+                f"acc {r.accuracy:.4f}  ({time.perf_counter() - start:.0f} s)")
+    return results
+
+
+def table(results: list[Result], steps: int, workers: int) -> str:
+    """Markdown: per link, each contender's epoch time and accuracy, and its speed against dense and the limit."""
+    lines = [f"{workers} workers, Fashion-MNIST CNN, batch 32 per worker, {steps} steps per 'epoch'.", ""]
+    for link in dict.fromkeys(r.link for r in results):
+        rows = [r for r in results if r.link == link]
+        dense = next((r for r in rows if r.label.startswith("dense") and r.error is None), None)
+        limit = next((r for r in rows if r.label.startswith("no communication") and r.error is None), None)
+        lines += [f"### {link}", "",
+                  "| method | epoch s | step ms | test acc | MiB sent/worker | speedup vs dense | x limit |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in rows:
+            if r.error:
+                lines.append(f"| {r.label} | crashed: {r.error} | | | | | |")
+                continue
+            speed = f"{dense.epoch_s / r.epoch_s:.2f}x" if dense else "-"
+            vs_limit = f"{r.epoch_s / limit.epoch_s:.2f}" if limit else "-"
+            sent = f"{r.mb_sent:.1f}" if r.mb_sent is not None else "-"
+            lines.append(f"| {r.label} | {r.epoch_s:.2f} | {1000 * r.step_s:.1f} | {r.accuracy:.4f} | {sent} | "
+                         f"{speed} | {vs_limit} |")
+        lines.append("")
+    return "\n".join(lines)
