@@ -1,0 +1,155 @@
+"""``gradzip advise``: which method trains this model fastest on this link, and at what accuracy risk.
+
+It measures what the cost model (gradzip/model.py) needs — the model's compute time per step, the
+link's alpha and beta (or takes a given bandwidth), each method's collectives and codec time — and ranks
+the methods by projected step time at N workers, with the speedup over dense and a static accuracy-risk
+rating from the literature (:func:`accuracy_risk`).
+"""
+from __future__ import annotations
+
+import ast
+import math
+from typing import Callable, Iterable, Optional, Union
+
+from . import model as cost
+from .compressors import make
+
+__all__ = ["advise", "accuracy_risk", "parse_method", "format_advice", "DEFAULT_METHODS"]
+
+DEFAULT_METHODS = ("none", "fp16", "bf16", "powersgd:rank=2", "topk:ratio=0.01", "randomk:ratio=0.01",
+                   "dgc:ratio=0.001", "qsgd:levels=1", "qsgd:levels=7", "terngrad", "natural", "efsignsgd",
+                   "signsgd")
+
+_GRACE = "biased, no error feedback: Top-k 1% got 42.5% top-1 without it, 73.0% with it (GRACE, ResNet-50)"
+_SPARSE = ("medium", "biased sparsifier with error feedback: converges (Stich et al. 2018), may lose a little",
+           "high", _GRACE)
+# method -> (risk with error feedback, why, risk without, why).  Sources: /work/shared/ALGORITHMS.md, the papers.
+_RULES = {
+    "none": ("low", "exact average") * 2,
+    "fp16": ("low", "16-bit rounding of the average (as PyTorch's fp16 hook)") * 2,
+    "bf16": ("low", "8-bit-mantissa rounding of the average") * 2,
+    "natural": ("low", "unbiased, variance at most 9/8 of the input's (Horvath et al. 2019)") * 2,
+    "terngrad": ("medium", "unbiased 2-bit; small losses on AlexNet/GoogLeNet (Wen et al. 2017)") * 2,
+    "powersgd": ("low", "rank 2 with error feedback matched SGD (Vogels et al. 2019)",
+                 "high", "without error feedback the low-rank truncation error is dropped every step"),
+    "topk": _SPARSE, "randomk": _SPARSE, "dropping": _SPARSE, "dgc": _SPARSE, "csc": _SPARSE,
+    "threshold": ("medium", "biased sparsifier with error feedback; tau is static, hard to tune (Strom 2015)",
+                  "high", _GRACE),
+    "onebit": ("medium", "1-bit with error feedback (Seide et al. 2014)",
+               "high", "1-bit SGD diverges without error feedback (Seide et al. 2014)"),
+    "efsignsgd": ("medium", "error feedback fixes signSGD's bias (Karimireddy et al. 2019)", "high", _GRACE),
+    "signsgd": ("high", "biased majority vote: can fail to converge, generalises worse (Karimireddy et al. 2019)") * 2,
+    "signum": ("high", "biased sign of momentum, as signSGD (Karimireddy et al. 2019)") * 2,
+}
+
+
+def accuracy_risk(method: str, params: Optional[dict] = None, density: Optional[float] = None) -> tuple[str, str]:
+    """(low | medium | high | unknown, why): a static rating from the literature, not a measurement.
+
+    Error feedback decides most ratings (GRACE: it is what makes biased compressors work); QSGD is rated
+    by its bits per element (4-bit QSGD matched full precision in Alistarh et al. 2017, 2-bit lost some);
+    a sparsifier that sends under 0.01% of the elements (``density``, e.g. a threshold tau set too high)
+    is rated high: its updates wait in the residual for many steps.
+    """
+    params = dict(params or {})
+    if method not in _RULES and method != "qsgd":
+        return "unknown", "not in the rule table"
+    feedback = make(method, **params).feedback != "none"
+    if method == "qsgd":
+        bits = math.ceil(math.log2(params.get("levels", 1) + 1)) + 1
+        if bits >= 4:
+            return "low", f"unbiased {bits}-bit; 4-bit QSGD matched full precision (Alistarh et al. 2017)"
+        return "medium", f"unbiased {bits}-bit; variance min(n/s^2, sqrt(n)/s) grows as levels shrink (Alistarh 2017)"
+    if method in ("topk", "randomk", "threshold", "dropping", "dgc", "csc") and density is not None and density < 1e-4:
+        return "high", f"sends {density:.1e} of the elements: updates wait in the residual for many steps"
+    if method == "randomk" and params.get("unbiased") and not feedback:
+        return "high", "unbiased, but the variance grows n/k-fold (100x at 1%) (Stich et al. 2018)"
+    risk_ef, why_ef, risk, why = _RULES[method]
+    return (risk_ef, why_ef) if feedback else (risk, why)
+
+
+def parse_method(spec: Union[str, tuple]) -> tuple[str, dict]:
+    """``"topk:ratio=0.001,value_dtype=float16"`` -> ("topk", {"ratio": 0.001, "value_dtype": "float16"})."""
+    if isinstance(spec, tuple):
+        name, params = spec
+        return name, dict(params)
+    name, _, rest = spec.partition(":")
+    params = {}
+    for item in filter(None, (p.strip() for p in rest.split(","))):
+        key, eq, raw = item.partition("=")
+        if not eq:
+            raise ValueError(f"bad method parameter {item!r} in {spec!r}; expected NAME:KEY=VALUE,KEY=VALUE")
+        lowered = raw.strip().lower()
+        if lowered in ("true", "false", "none"):
+            params[key.strip()] = {"true": True, "false": False, "none": None}[lowered]
+            continue
+        try:
+            params[key.strip()] = ast.literal_eval(raw.strip())
+        except (ValueError, SyntaxError):
+            params[key.strip()] = raw.strip()
+    make(name.strip(), **params)  # fail early on an unknown method or parameter
+    return name.strip(), params
+
+
+def advise(model: str = "cnn", dataset: str = "fashion-mnist", *, netem: Optional[str] = None,
+           bandwidth: Optional[str] = None, alpha: Optional[float] = None, workers: int = 2,
+           methods: Optional[Iterable] = None, batch_size: int = 32, overlap: Optional[float] = None,
+           bucket_cap_mb: float = 25.0, data_dir: Optional[str] = None,
+           echo: Optional[Callable[[str], object]] = print) -> list[dict]:
+    """Rank ``methods`` for training ``model`` on ``dataset`` with ``workers`` workers; returns the rows.
+
+    The link: ``bandwidth`` (e.g. "1gbit"; alpha = ``alpha`` seconds or :data:`gradzip.model.DEFAULT_ALPHA`)
+    needs nothing; otherwise alpha and beta are fitted to allreduces between 2 local processes, over an
+    emulated ``netem`` link (e.g. "rate=100mbit", root) or over loopback.  Compute and codec times are
+    measured in this process.  ``overlap``: None overlaps each bucket's exchange with the rest of backward
+    from the measured moments its gradients are ready (the model's bucket timeline, as DDP does); a
+    number is a fixed fraction of communication hidden (0: none).  Each row: label, method, params,
+    step_s and its parts, speedup (vs the ``none`` method: dense DDP averaging), wire_bytes, risk, why.
+    ``echo`` prints the table (None: quiet).
+    """
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
+    if netem is not None and bandwidth is not None:
+        raise ValueError("give either netem (measure an emulated link) or bandwidth (assume one), not both")
+    if alpha is not None and bandwidth is None:
+        raise ValueError("alpha goes with bandwidth; a measured link has its own")
+    specs = [parse_method(m) for m in (DEFAULT_METHODS if methods is None else methods)]
+    if not any(name == "none" for name, _ in specs):
+        specs.insert(0, ("none", {}))  # the dense baseline every speedup is relative to
+
+    compute = cost.measure_compute(model, dataset, batch_size=batch_size, data_dir=data_dir)
+    if bandwidth is not None:
+        link, source = cost.Link.from_rate(bandwidth, alpha), f"given {bandwidth}"
+    else:
+        link = cost.measure_link(2, netem)[0]
+        source = f"measured on {netem}" if netem else "measured over loopback"
+    profiles = [cost.profile_method(compute.grads, name, params, bucket_cap_mb=bucket_cap_mb)
+                for name, params in specs]
+    timing = {"timeline": compute.timeline} if overlap is None else {"overlap": overlap}
+    dense = next(p for p in profiles if p.method == "none")
+    base = cost.step_time(dense, compute.seconds, link, workers, **timing)["step_s"]
+    rows = []
+    for p in profiles:
+        t = cost.step_time(p, compute.seconds, link, workers, **timing)
+        risk, why = accuracy_risk(p.method, p.params, p.density)
+        rows.append({"label": p.label, "method": p.method, "params": p.params, **t, "speedup": base / t["step_s"],
+                     "wire_bytes": p.wire_bytes, "collectives": len(p.collectives), "density": p.density,
+                     "risk": risk, "why": why})
+    rows.sort(key=lambda r: r["step_s"])
+    if echo is not None:
+        hidden = "bucket timeline" if overlap is None else f"{overlap:g} of communication"
+        echo(f"{model} on {dataset}, batch {batch_size}, {workers} workers; link {link} ({source}); "
+             f"compute {1e3 * compute.seconds:.1f} ms/step; overlap: {hidden}")
+        echo(format_advice(rows))
+    return rows
+
+
+def format_advice(rows: list[dict]) -> str:
+    """A fixed-width table of :func:`advise`'s rows, fastest first."""
+    head = f"{'#':>2}  {'method':28s} {'step ms':>9} {'speedup':>8} {'comm ms':>9} {'codec ms':>9} {'KB/step':>9}  risk"
+    lines = [head, "-" * len(head)]
+    for i, r in enumerate(rows, 1):
+        lines.append(f"{i:>2}  {r['label'][:28]:28s} {1e3 * r['step_s']:9.1f} {r['speedup']:7.2f}x "
+                     f"{1e3 * r['comm_s']:9.1f} {1e3 * r['codec_s']:9.1f} {r['wire_bytes'] / 1e3:9.1f}  "
+                     f"{r['risk']}: {r['why']}")
+    return "\n".join(lines)
