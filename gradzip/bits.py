@@ -2,14 +2,17 @@
 
 Everything here is pure tensor code (no Python loop per element) and works on any device.
 Bit order is little-endian inside a byte: code ``i`` occupies bits ``[i*b, (i+1)*b)`` of the stream.
+On the CPU the bit stream is packed by numpy's ``packbits``/``unpackbits`` (SIMD C loops, tens of times
+faster than shifting and summing bytes with tensor ops); the layout is the same on every device.
 """
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
-__all__ = ["pack_bits", "unpack_bits", "packed_nbytes", "index_dtype"]
+__all__ = ["pack_bits", "unpack_bits", "packed_nbytes", "index_dtype", "select"]
 
 
 def packed_nbytes(n: int, bits: int) -> int:
@@ -30,6 +33,8 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     nbytes = packed_nbytes(n, bits)
     if n == 0:
         return torch.empty(0, dtype=torch.uint8, device=codes.device)
+    if codes.device.type == "cpu":
+        return torch.from_numpy(np.packbits(_bit_stream(codes, bits).numpy(), bitorder="little"))
     if 8 % bits == 0:
         # Fast path: an integral number of codes per byte, combined with shifts.
         per_byte = 8 // bits
@@ -54,6 +59,9 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     if packed.numel() < packed_nbytes(n, bits):
         raise ValueError(f"{packed.numel()} bytes cannot hold {n} codes of {bits} bits")
     device = packed.device
+    if device.type == "cpu":
+        stream = torch.from_numpy(np.unpackbits(packed.contiguous().numpy(), count=n * bits, bitorder="little"))
+        return _from_bit_stream(stream, bits, n)
     if 8 % bits == 0:
         shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=device)
         mask = (1 << bits) - 1
@@ -66,6 +74,27 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     return codes.to(torch.uint8) if bits <= 8 else codes
 
 
+def _bit_stream(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """One uint8 0/1 per bit, code after code, low bit first (what ``np.packbits`` packs)."""
+    if bits == 1:
+        return codes if codes.dtype in (torch.bool, torch.uint8) else codes.to(torch.uint8)
+    small = codes.to(torch.uint8 if bits <= 8 else torch.int32)
+    planes = torch.arange(bits, dtype=small.dtype)
+    stream = torch.bitwise_right_shift(small.unsqueeze(1), planes).bitwise_and_(1)
+    return stream.reshape(-1) if bits <= 8 else stream.to(torch.uint8).reshape(-1)
+
+
+def _from_bit_stream(stream: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Inverse of :func:`_bit_stream`: uint8 codes for ``bits <= 8``, int64 above."""
+    if bits == 1:
+        return stream
+    planes = stream.view(n, bits) if bits <= 8 else stream.view(n, bits).to(torch.int64)
+    codes = planes[:, 0].clone()
+    for j in range(1, bits):
+        codes.bitwise_or_(planes[:, j] << j)
+    return codes
+
+
 def index_dtype(numel: int) -> torch.dtype:
     """The smallest integer dtype that can address ``numel`` positions (int32 for large tensors)."""
     if numel <= 2**8:
@@ -73,3 +102,21 @@ def index_dtype(numel: int) -> torch.dtype:
     if numel <= 2**15:
         return torch.int16
     return torch.int32
+
+
+def select(condition: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None,
+           scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """``torch.where(condition, a, b)`` for float32 ``a`` and ``b`` broadcast to ``condition``'s shape,
+    bit for bit.
+
+    On CPUs ``torch.where`` runs a scalar loop, about ten times slower than one pass over memory; this
+    picks the bits with integer masks instead: b ^ ((a ^ b) & m), with m all ones where ``condition``.
+    ``out`` (float32) and ``scratch`` (int32), of ``condition``'s shape, are optional buffers to use.
+    """
+    if condition.device.type != "cpu":
+        return torch.where(condition, a, b)
+    shape = condition.shape
+    a, b = a.view(torch.int32).expand(shape), b.view(torch.int32).expand(shape)
+    mask = torch.neg(condition.to(torch.int32) if scratch is None else scratch.copy_(condition), out=scratch)
+    picked = torch.bitwise_xor(a, b, out=None if out is None else out.view(torch.int32))
+    return picked.bitwise_and_(mask).bitwise_xor_(b).view(torch.float32)

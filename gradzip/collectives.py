@@ -199,9 +199,11 @@ class _Phase:
             flat = self._timed(self.t.allreduce, flat, op)
         if flag is not None:
             flag_out = bool(flat[-1] > 0)
+        # Each result is a view into the fused buffer: it belongs to this exchange alone (never to the
+        # request's payload), and the views do not overlap, so no copy is needed.
         offset = 0
         for i, t in zip(members, tensors):
-            results[i] = flat[offset : offset + t.numel()].view(t.shape).clone()
+            results[i] = flat[offset : offset + t.numel()].view(t.shape)
             offset += t.numel()
         return flag_out
 

@@ -25,6 +25,16 @@ _COUNTERS = ("exchanges", "payload_bytes", "wire_bytes", "dense_bytes", "element
              "collectives", "compress_s", "communicate_s", "decompress_s", "nonfinite_exchanges")
 
 
+def _any_nonfinite(grads: Sequence[torch.Tensor]) -> bool:
+    """Whether any element is NaN or Inf, in one read of each tensor and one host sync for all of them.
+
+    min and max propagate NaN, and an Inf is the min or the max, so both ends are finite exactly when
+    every element is (``isfinite(g).all()`` writes a mask of n bytes and reads it again).
+    """
+    ends = [end.float() for g in grads if g.numel() for end in torch.aminmax(g.detach())]
+    return bool(ends) and not bool(torch.isfinite(torch.stack(ends)).all())
+
+
 class GradzipState:
     """Compression state of one training run on one worker.
 
@@ -72,8 +82,7 @@ class GradzipState:
         """
         contexts = [self.context(key, g) for key, g in named_grads]
         grads = [g for _, g in named_grads]
-        flags = [torch.isfinite(g).all() for g in grads if g.numel()]
-        nonfinite = bool(flags) and not bool(torch.stack(flags).all())
+        nonfinite = _any_nonfinite(grads)
         if nonfinite:
             # Keep the protocol identical on every rank: compress zeros, discard the result below.
             grads = [torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0) for g in grads]
@@ -102,7 +111,8 @@ class GradzipState:
         t["exchanges"] += 1
         # Density: elements a sparsifier sent; every other method sends (a coded form of) each element.
         t["elements"] += sum(g.numel() for g in grads)
-        t["elements_sent"] += sum(g.numel() if r.mask is None else int(r.mask.sum()) for r, g in zip(results, grads))
+        kept = [r.kept() for r in results]
+        t["elements_sent"] += sum(g.numel() if k is None else k for k, g in zip(kept, grads))
         t["payload_bytes"] += report.payload_bytes
         t["wire_bytes"] += report.wire_bytes
         t["dense_bytes"] += sum(g.numel() * g.element_size() for g in grads)

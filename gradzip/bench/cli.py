@@ -24,6 +24,7 @@ def kernels(
     profile: bool = typer.Option(False, help="also list the top operators per method (torch.profiler)"),
     alone: bool = typer.Option(True, help="also time each compressor without feedback and state"),
     selection: bool = typer.Option(True, help="also time DGC's sampled selection against exact top-k"),
+    clock: str = typer.Option("wall", help="wall | cpu (process CPU time on one thread: steadier on a shared machine)"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the results as JSON to this file"),
 ):
     """Time compress + decompress + error feedback of every method against one memory pass."""
@@ -33,7 +34,7 @@ def kernels(
     kinds = [w.strip() for w in workloads.split(",") if w.strip()]
     try:
         main(names, device=device, repeat=repeat, workloads=kinds, numel=numel, profile=profile, alone=alone,
-             selection=selection, json_out=str(json_out) if json_out else None, echo=typer.echo)
+             selection=selection, clock=clock, json_out=str(json_out) if json_out else None, echo=typer.echo)
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)

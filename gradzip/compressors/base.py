@@ -11,9 +11,10 @@ That keeps each compressor a few lines of the paper's equations, and makes multi
 from __future__ import annotations
 
 import math
+import threading
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Generator, Optional
+from typing import Any, Callable, ClassVar, Generator, Optional
 
 import torch
 
@@ -28,6 +29,7 @@ __all__ = [
     "Exchange",
     "check_ratio",
     "value_dtype",
+    "workspace",
 ]
 
 
@@ -52,18 +54,68 @@ class AllGather:
     same_size: bool = True
 
 
-@dataclass
 class Exchanged:
     """The outcome of one tensor's exchange.
 
     ``aggregate`` is what the optimizer receives (normally the mean over workers of what they sent).
     ``sent`` is this worker's own contribution as the receivers decode it, D(C(x)); error feedback
     keeps ``x - sent``.  ``mask`` marks the positions a sparsifier sent (for DGC's momentum masking).
+
+    ``sent`` and ``mask`` may be given as zero-argument callables, built on first access: feedback
+    "none" never reads ``sent``, so it does not pay for decoding it.  ``sparse=(idx, values)`` says that
+    ``sent`` is zero except at the unique int64 positions ``idx`` of the flattened tensor, where it holds
+    the float32 ``values``; error feedback then updates only those positions, and the dense ``sent`` and
+    ``mask`` are built from it only if someone asks.
     """
 
-    aggregate: torch.Tensor
-    sent: torch.Tensor
-    mask: Optional[torch.Tensor] = None
+    __slots__ = ("aggregate", "_sent", "_mask", "sparse", "sent_into")
+
+    def __init__(self, aggregate: torch.Tensor, sent=None, mask=None, *, sparse: Optional[tuple] = None,
+                 sent_into: Optional[Callable] = None):
+        if sent is None and sparse is None:
+            raise ValueError("Exchanged needs sent or sparse")
+        self.aggregate = aggregate
+        self._sent = sent
+        self._mask = mask
+        self.sparse = sparse
+        #: Optional ``sent_into(out)``: writes ``sent`` into the float32 tensor ``out`` (of the aggregate's
+        #: shape), so that error feedback can subtract it without a new full-size tensor.
+        self.sent_into = sent_into
+
+    @property
+    def sent(self) -> torch.Tensor:
+        if self._sent is None:
+            idx, values = self.sparse
+            flat = torch.zeros(self.aggregate.numel(), dtype=torch.float32, device=values.device)
+            self._sent = flat.index_put_((idx,), values).view(self.aggregate.shape)
+        elif callable(self._sent):
+            self._sent = self._sent()
+        return self._sent
+
+    @property
+    def mask(self) -> Optional[torch.Tensor]:
+        if self._mask is None and self.sparse is not None:
+            idx = self.sparse[0]
+            flat = torch.zeros(self.aggregate.numel(), dtype=torch.bool, device=idx.device)
+            self._mask = flat.index_fill_(0, idx, True).view(self.aggregate.shape)
+        elif callable(self._mask):
+            self._mask = self._mask()
+        return self._mask
+
+    @property
+    def sent_pending(self) -> bool:
+        """True while ``sent`` was given lazily and nobody has asked for it yet."""
+        return callable(self._sent)
+
+    def kept(self) -> Optional[int]:
+        """Elements sent (sparsifiers), or None when every element is sent in some coded form."""
+        if self.sparse is not None:
+            return self.sparse[0].numel()
+        mask = self.mask
+        return None if mask is None else int(mask.sum())
+
+    def __repr__(self) -> str:
+        return f"Exchanged(aggregate={self.aggregate!r}, sent={self.sent!r}, mask={self.mask!r})"
 
 
 Exchange = Generator[Any, Any, Exchanged]
@@ -195,8 +247,9 @@ class SummableCompressor(Compressor):
     def exchange(self, x, ctx):
         payload = self.compress(x, ctx)
         total = yield AllReduce(payload)
-        aggregate = self.decompress(total, ctx) / ctx.world_size
-        return Exchanged(aggregate, self.decompress(payload, ctx))
+        # decompress returns a new tensor or a view of ``total``, which belongs to this exchange.
+        aggregate = self.decompress(total, ctx).div_(ctx.world_size)
+        return Exchanged(aggregate, lambda: self.decompress(payload, ctx))
 
 
 class GatheredCompressor(Compressor):
@@ -219,7 +272,7 @@ class GatheredCompressor(Compressor):
         total = decoded[0].clone()
         for part in decoded[1:]:
             total += part
-        return total / len(decoded)
+        return total.div_(len(decoded))
 
     def exchange(self, x, ctx):
         fields = self.compress(x, ctx)
@@ -230,3 +283,26 @@ class GatheredCompressor(Compressor):
 
 def numel_of(shape) -> int:
     return math.prod(shape)
+
+
+_WORKSPACE = threading.local()
+#: Below this many elements the allocator's own reuse is as good as a workspace.
+_WORKSPACE_MIN = 1 << 16
+
+
+def workspace(name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A reusable 1-D scratch tensor (uninitialised) for a temporary that dies before the next ``yield``.
+
+    On the CPU every fresh tensor of tens of megabytes is page-faulted in on first touch, which can cost
+    several times the arithmetic done on it; so large temporaries reuse one buffer per thread, ``name``
+    and dtype (grown as needed, kept for the life of the thread).  The result must never be returned,
+    stored, or used after a ``yield``: generators of other tensors run there and reuse the buffer.
+    GPUs get a plain ``torch.empty``: the caching allocator already reuses memory.
+    """
+    if device.type != "cpu" or numel < _WORKSPACE_MIN:
+        return torch.empty(numel, dtype=dtype, device=device)
+    buffers = _WORKSPACE.__dict__.setdefault("buffers", {})
+    buf = buffers.get((name, dtype))
+    if buf is None or buf.numel() < numel:
+        buf = buffers[(name, dtype)] = torch.empty(numel, dtype=dtype)
+    return buf[:numel]

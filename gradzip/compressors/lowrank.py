@@ -82,9 +82,12 @@ class PowerSGD(Compressor):
         # Redraw when there is no usable basis.  An all-zero column (left by a step whose gradient was
         # zero, e.g. an unused layer) would otherwise stay zero forever.  Qbar is identical on every
         # rank, so every rank decides the same.
-        if q is None or q.shape != (m, r) or not bool((torch.linalg.vector_norm(q, dim=0) > 0).all()):
-            gen = ctx.generator(x.device, shared=True, salt="powersgd-Q")
-            q = torch.randn(m, r, generator=gen, device=x.device, dtype=torch.float32)
+        gen = ctx.generator(x.device, shared=True, salt="powersgd-Q")
+        fresh = torch.randn(m, r, generator=gen, device=x.device, dtype=torch.float32)
+        if q is None or q.shape != (m, r):
+            q = fresh
+        else:  # chosen on the device: no host sync (the draw is private to this tensor and step)
+            q = torch.where((torch.linalg.vector_norm(q, dim=0) > 0).all(), q.to(fresh), fresh)
         # Unit columns make P scale like M rather than like M^2 (Qbar already carries |M|), so epsilon
         # stays negligible for small gradients.  GS(M Q R) == GS(M Q): the power iteration is unchanged.
         return orthogonalize(q.to(device=x.device, dtype=torch.float32), self.epsilon)
@@ -99,8 +102,11 @@ class PowerSGD(Compressor):
         Qbar = (yield AllReduce(Q_local)) / ctx.world_size
         ctx.set("Q", Qbar)
         aggregate = (P @ Qbar.T).reshape(ctx.shape)
-        sent = (P @ Q_local.T).reshape(ctx.shape)
-        return Exchanged(aggregate, sent)
+
+        def sent(out=None):  # P Q_i^T, built only for error feedback (into its buffer when given)
+            return torch.matmul(P, Q_local.T, out=None if out is None else out.view(n, m)).reshape(ctx.shape)
+
+        return Exchanged(aggregate, sent, sent_into=sent)
 
     def payload_bytes(self, ctx, kept=None):
         if not self.compresses(ctx):  # sent densely by feedback.py, in the gradient's dtype

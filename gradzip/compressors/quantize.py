@@ -6,6 +6,7 @@ averages out across workers instead of adding up.  Codes are packed densely with
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -13,17 +14,38 @@ import torch
 
 from ..bits import pack_bits, packed_nbytes, unpack_bits
 from . import register
-from .base import AllGather, AllReduce, Compressor, Exchanged, GatheredCompressor, TensorContext
+from .base import AllGather, AllReduce, Compressor, Exchanged, GatheredCompressor, TensorContext, workspace
 
 
 def _round_up(p: torch.Tensor, ctx: TensorContext) -> torch.Tensor:
     """Bernoulli(p) draws from this worker's private stream: True means "take the upper level".
 
     fp32 uniforms are multiples of 2^-24, so P(u < p) is exact for p on that grid (natural compression's
-    mantissa fractions m / 2^23 are) and within 2^-24 of p otherwise.
+    mantissa fractions m / 2^23 are) and within 2^-24 of p otherwise.  The result is a reused buffer
+    (see :func:`workspace`): use it before the next ``yield``.
     """
-    u = torch.rand(p.shape, generator=ctx.generator(p.device, shared=False), device=p.device)
-    return u < p
+    n, device = p.numel(), p.device
+    u = torch.rand(n, generator=ctx.generator(device, shared=False), device=device,
+                   out=workspace("uniform", n, torch.float32, device))
+    return torch.lt(u.view(p.shape), p, out=workspace("round_up", n, torch.bool, device).view(p.shape))
+
+
+@functools.lru_cache(maxsize=64)
+def _signed_levels(bits: int, device: torch.device) -> torch.Tensor:
+    """sign * xi for every QSGD code (bit 0 = sign, bits above = xi); -0.0 for a negative zero level."""
+    return torch.tensor([(-1.0 if c & 1 else 1.0) * (c >> 1) for c in range(2**bits)], device=device)
+
+
+@functools.lru_cache(maxsize=8)
+def _natural_values(device: torch.device) -> torch.Tensor:
+    """The value of each of the 256 natural-compression codes: sign bit 7, 2^(e - 64) for e = bits 0..6 > 0,
+    0 for e = 0, NaN for 0x80."""
+    codes = torch.arange(256, dtype=torch.int32, device=device)
+    e = codes & 0x7F
+    magnitude = ((e + 63) << 23).view(torch.float32)  # 2^(e-64): biased fp32 exponent e - 64 + 127
+    magnitude = torch.where(e > 0, magnitude, 0.0)
+    value = torch.where((codes & 0x80) != 0, -magnitude, magnitude)
+    return torch.where(codes == Natural._NONFINITE, math.nan, value)
 
 
 def _check_int(name: str, value, lo: int, hi: Optional[int] = None) -> int:
@@ -64,27 +86,44 @@ class QSGD(GatheredCompressor):
         return math.ceil(n / self.bucket_size)
 
     def compress(self, x, ctx):
-        s, flat = self.levels, x.reshape(-1)
+        s, flat, bs = self.levels, x.reshape(-1), self.bucket_size
         n = flat.numel()
-        # Zero padding changes neither norm, and the padded codes are never sent.
-        v = torch.nn.functional.pad(flat, (0, self._buckets(n) * self.bucket_size - n)).view(-1, self.bucket_size)
-        norms = torch.linalg.vector_norm(v, dim=1) if self.norm == "l2" else v.abs().amax(dim=1)
-        ratio = v.abs() * torch.where(norms > 0, s / norms, 0.0).unsqueeze(1)  # |v_i| s / ||v||, in [0, s]
-        lower = ratio.floor()
-        xi = lower + _round_up(ratio - lower, ctx)
+        padded = self._buckets(n) * bs
+        if padded == n:
+            v = flat.reshape(-1, bs)
+        else:  # zero padding changes neither norm, and the padded codes are never sent
+            v = workspace("qsgd.v", padded, flat.dtype, flat.device)
+            v[:n].copy_(flat)
+            v[n:].zero_()
+            v = v.view(-1, bs)
+        ratio = torch.abs(v, out=workspace("qsgd.ratio", padded, v.dtype, v.device).view(v.shape))
+        norms = torch.linalg.vector_norm(v, dim=1) if self.norm == "l2" else ratio.amax(dim=1)
+        ratio.mul_(torch.where(norms > 0, s / norms, 0.0).unsqueeze(1))  # |v_i| s / ||v||, in [0, s]
+        # xi = floor(ratio) + [u < ratio - floor(ratio)]  (ratio >= 0, so frac() is ratio - floor(ratio))
+        up = _round_up(torch.frac(ratio, out=workspace("qsgd.frac", padded, v.dtype, v.device).view(v.shape)), ctx)
+        xi = ratio.floor_().add_(up).reshape(-1)[:n]
         # Integer clamp: float rounding may push |v_i| s / ||v|| a hair above s (and NaN becomes 0 here).
-        xi = xi.reshape(-1)[:n].to(torch.int32).clamp(0, s)
-        negative = (flat < 0).to(torch.int32)
-        return norms.float(), pack_bits(xi * 2 + negative, self._bits)
+        codes = workspace("qsgd.codes", n, torch.int32, flat.device).copy_(xi).clamp_(0, s)
+        negative = torch.lt(flat, 0, out=workspace("round_up", n, torch.bool, flat.device))
+        return norms.float(), pack_bits(codes.mul_(2).add_(negative), self._bits)
 
     def decompress(self, fields, ctx):
         norms, packed = fields
-        n = ctx.shape.numel()
-        codes = unpack_bits(packed, self._bits, n).to(torch.int32)
-        xi = (codes >> 1).float()
-        sign = 1.0 - 2.0 * (codes & 1).float()
-        step = torch.repeat_interleave(norms.float() / self.levels, self.bucket_size)[:n]  # ||v|| / s
-        return (step * sign * xi).reshape(ctx.shape)
+        n, s, bs = ctx.shape.numel(), self.levels, self.bucket_size
+        codes = unpack_bits(packed, self._bits, n)
+        # Q = (||v|| / s) * sign * xi; a code's sign * xi is looked up (0 with the sign bit is -0.0, as
+        # sign * 0), and (step * sign) * xi == (sign * xi) * step since sign is +-1.
+        if self._bits <= 8:
+            index = workspace("codes", n, torch.int32, codes.device).copy_(codes)
+            value = torch.index_select(_signed_levels(self._bits, codes.device), 0, index)
+        else:
+            value = (codes >> 1).float().mul_(1.0 - 2.0 * (codes & 1).float())
+        step = norms.float() / s  # ||v|| / s per bucket
+        full = n // bs
+        value[: full * bs].view(full, bs).mul_(step[:full].unsqueeze(1))
+        if full * bs < n:
+            value[full * bs :].mul_(step[full])
+        return value.reshape(ctx.shape)
 
     def payload_bytes(self, ctx, kept=None):
         n = ctx.shape.numel()
@@ -122,19 +161,31 @@ class TernGrad(Compressor):
         g = x.reshape(-1).float()
         n = g.numel()
         if self.clip is not None and n:
-            bound = self.clip * g.square().mean().sqrt()
+            square = torch.square(g, out=workspace("terngrad.square", n, g.dtype, g.device))
+            bound = self.clip * square.mean().sqrt()
             g = torch.clamp(g, -bound, bound)
-        s_local = g.abs().amax().reshape(1) if n else g.new_zeros(1)
+        # max|g| from the two ends (one read, no |g| temporary): the same value, NaN included.
+        if n:
+            low, high = torch.aminmax(g)
+            s_local = torch.maximum(low.abs(), high.abs()).reshape(1)
+        else:
+            s_local = g.new_zeros(1)
         s = yield AllReduce(s_local, op="max")
         # s == 0 means g == 0 everywhere: the clamp turns 0/0 into probability 0 instead of NaN.
-        p = g.abs() / s.clamp_min(torch.finfo(torch.float32).tiny)
-        t = torch.where(_round_up(p, ctx), g.sign(), 0.0)
-        gathered = yield AllGather((pack_bits((t + 1).to(torch.uint8), 2),), same_size=True)
-        total = torch.zeros(n, dtype=torch.float32, device=g.device)
-        for (packed,) in gathered:  # rank order: identical float sums on every rank
-            total += unpack_bits(packed, 2, n).float() - 1
-        aggregate = s * total / ctx.world_size
-        return Exchanged(aggregate.reshape(ctx.shape), (s * t).reshape(ctx.shape))
+        p = torch.abs(g, out=workspace("terngrad.p", n, g.dtype, g.device)).div_(s.clamp_min(torch.finfo(torch.float32).tiny))
+        up = _round_up(p, ctx)
+        # t = sign(g) where rounded up, else 0, sent as t + 1 in {0, 1, 2}.  up implies |g| > 0 (u < 0 never
+        # holds), so t + 1 = 1 + up * (2 [g > 0] - 1) = 1 - up + 2 (up and g > 0).
+        positive = torch.gt(g, 0, out=workspace("terngrad.positive", n, torch.bool, g.device)).logical_and_(up)
+        codes = positive.to(torch.uint8).mul_(2).add_(1).sub_(up.view(torch.uint8))
+        gathered = yield AllGather((pack_bits(codes, 2),), same_size=True)
+        # (t + 1) - 1 is exact in float32 (and 1 - 1 is +0.0, as where(..., 0.0) gave).
+        total = unpack_bits(gathered[0][0], 2, n).float().sub_(1)
+        for (packed,) in gathered[1:]:  # rank order: identical float sums on every rank
+            total += unpack_bits(packed, 2, n).float().sub_(1)
+        aggregate = total.mul_(s).div_(ctx.world_size)
+        sent = lambda: (s * codes.float().sub_(1)).reshape(ctx.shape)  # noqa: E731
+        return Exchanged(aggregate.reshape(ctx.shape), sent)
 
     def payload_bytes(self, ctx, kept=None):
         return 4 + packed_nbytes(ctx.shape.numel(), 2)
@@ -162,26 +213,35 @@ class Natural(GatheredCompressor):
 
     def compress(self, x, ctx):
         flat = x.reshape(-1).float().contiguous()
+        n, device = flat.numel(), flat.device
         bits = flat.view(torch.int32)
-        a = ((bits >> 23) & 0xFF) - 127  # |x| in [2^a, 2^(a+1)) for normal floats
+        biased = torch.bitwise_right_shift(bits, 23, out=workspace("natural.exp", n, torch.int32, device))
+        biased.bitwise_and_(0xFF)  # a + 127: |x| in [2^a, 2^(a+1)) for normal floats
         # Below 2^-63 (subnormals and zero included) the two candidates are 0 and 2^-63 instead.
-        tiny = a < -63
-        p = torch.where(tiny, flat.abs() * 2.0**63, (bits & 0x7FFFFF).float() * 2.0**-23)  # mantissa fraction
-        e = (torch.where(tiny, 0, a + 64) + _round_up(p, ctx).to(torch.int32)).clamp(max=127)
-        sign = (bits < 0) & (e > 0)  # a value rounded to zero drops its sign: 0x80 is reserved
-        codes = e | (sign.to(torch.int32) << 7)
-        codes = torch.where(torch.isfinite(flat), codes, self._NONFINITE)
-        return (codes.to(torch.uint8),)
+        tiny = torch.lt(biased, 64, out=workspace("natural.tiny", n, torch.bool, device))
+        # p = the mantissa fraction m / 2^23, or |x| 2^63 for tiny values.
+        p = workspace("natural.p", n, torch.float32, device)
+        p.copy_(torch.bitwise_and(bits, 0x7FFFFF, out=workspace("natural.work", n, torch.int32, device))).mul_(2.0**-23)
+        scaled = torch.abs(flat, out=workspace("natural.work", n, torch.int32, device).view(torch.float32))
+        # p = |x| 2^63 where tiny: b ^ ((a ^ b) & m) picks a's bits where the mask m is all ones (as
+        # torch.where would, which is a slow scalar loop on CPUs), in place in the reused buffers.
+        diff = scaled.mul_(2.0**63).view(torch.int32).bitwise_xor_(p.view(torch.int32))
+        diff.bitwise_and_(workspace("natural.mask", n, torch.int32, device).copy_(tiny).neg_())
+        p.view(torch.int32).bitwise_xor_(diff)
+        nonfinite = torch.eq(biased, 0xFF, out=workspace("natural.nonfinite", n, torch.bool, device))
+        # e = (0 if tiny else a + 64) + rounded up, at most 127; a + 64 = biased - 63 is <= 0 exactly
+        # when tiny.
+        e = biased.sub_(63).clamp_(min=0).add_(_round_up(p, ctx)).clamp_(max=127)
+        codes = e.to(torch.uint8)
+        # A value rounded to zero drops its sign: 0x80 is reserved for NaN and Inf.
+        negative = torch.lt(bits, 0, out=workspace("natural.tiny", n, torch.bool, device)).logical_and_(codes > 0)
+        codes.bitwise_or_(negative.view(torch.uint8) << 7)
+        return (codes.masked_fill_(nonfinite, self._NONFINITE),)
 
     def decompress(self, fields, ctx):
         (codes,) = fields
-        codes = codes.to(torch.int32)
-        e = codes & 0x7F
-        magnitude = ((e + 63) << 23).view(torch.float32)  # 2^(e-64): biased fp32 exponent e - 64 + 127
-        magnitude = torch.where(e > 0, magnitude, 0.0)
-        value = torch.where((codes & 0x80) != 0, -magnitude, magnitude)
-        value = torch.where(codes == self._NONFINITE, math.nan, value)
-        return value.reshape(ctx.shape)
+        index = workspace("codes", codes.numel(), torch.int32, codes.device).copy_(codes)
+        return torch.index_select(_natural_values(codes.device), 0, index).reshape(ctx.shape)
 
     def payload_bytes(self, ctx, kept=None):
         return ctx.shape.numel()

@@ -15,20 +15,22 @@ from typing import Optional
 
 import torch
 
-from ..bits import pack_bits, packed_nbytes, unpack_bits
+from ..bits import pack_bits, packed_nbytes, select, unpack_bits
 from . import register
-from .base import GatheredCompressor, TensorContext
+from .base import AllGather, Exchanged, GatheredCompressor, TensorContext, workspace
 
 
 def encode_signs(x: torch.Tensor) -> torch.Tensor:
     """Packed sign bits of ``x`` (bit 1 for x >= 0), ceil(numel / 8) uint8 bytes."""
-    return pack_bits(x.reshape(-1) >= 0, 1)
+    flat = x.reshape(-1)
+    return pack_bits(torch.ge(flat, 0, out=workspace("signs", flat.numel(), torch.bool, flat.device)), 1)
 
 
 def decode_signs(packed: torch.Tensor, shape) -> torch.Tensor:
     """Inverse of :func:`encode_signs`: +1.0 / -1.0 as float32 with ``shape``."""
     bits = unpack_bits(packed, 1, math.prod(shape))
-    return (bits.float() * 2 - 1).reshape(shape)
+    # 2b - 1 in int8 (exact), then one conversion: the same values as float(b) * 2 - 1.
+    return bits.view(torch.int8).mul_(2).sub_(1).float().reshape(shape)
 
 
 def majority_vote(signs: list) -> torch.Tensor:
@@ -36,7 +38,21 @@ def majority_vote(signs: list) -> torch.Tensor:
 
     The sum of +-1 values is an exact integer in float32, so every rank gets the same vote.
     """
-    return torch.stack(signs).sum(dim=0).sign()
+    total = signs[0].clone()
+    for s in signs[1:]:
+        total += s
+    return total.sign_()
+
+
+def vote_of_bits(gathered: list, shape) -> torch.Tensor:
+    """:func:`majority_vote` of the ranks' packed sign bits, counted as integers: with c the number of
+    +1 votes among N, sum_r s_r = 2c - N exactly, so sign(2c - N) is the same vote."""
+    n, world = math.prod(shape), len(gathered)
+    count = workspace("votes", n, torch.int16 if world < 2**14 else torch.int32, gathered[0][0].device)
+    count.copy_(unpack_bits(gathered[0][0], 1, n))
+    for (packed,) in gathered[1:]:
+        count += unpack_bits(packed, 1, n)
+    return count.mul_(2).sub_(world).sign_().float().reshape(shape)
 
 
 def _bits_bytes(ctx: TensorContext) -> int:
@@ -69,22 +85,35 @@ class OneBit(GatheredCompressor):
 
     def compress(self, x, ctx):
         M = x.reshape(self.matrix_shape(ctx.shape))
-        pos = M >= 0
+        rows, numel = M.shape[0], M.numel()
         zero = torch.zeros((), dtype=M.dtype, device=M.device)
-
-        def column_mean(group):
-            # torch.where, not M * group: inf * 0 would turn a finite mean into NaN.
-            total = torch.where(group, M, zero).sum(dim=0)
-            return total / group.sum(dim=0).clamp(min=1)
-
-        means = torch.cat([column_mean(pos), column_mean(~pos)]).float()
-        return means, encode_signs(M)
+        # A selection, not M * group: inf * 0 would turn a finite mean into NaN.  The column sums must add
+        # in the order of M's own layout (as torch.where's outputs would), so reused (contiguous) buffers
+        # are for contiguous M only.
+        if M.dtype == torch.float32 and M.is_contiguous():
+            pos = torch.ge(M, 0, out=workspace("onebit.pos", numel, torch.bool, M.device).view(M.shape))
+            buffers = {"out": workspace("onebit.picked", numel, torch.float32, M.device).view(M.shape),
+                       "scratch": workspace("onebit.mask", numel, torch.int32, M.device).view(M.shape)}
+            pos_total = select(pos, M, zero, **buffers).sum(dim=0)
+            neg_total = select(pos, zero, M, **buffers).sum(dim=0)
+        elif M.dtype == torch.float32:
+            pos = M >= 0
+            pos_total, neg_total = select(pos, M, zero).sum(dim=0), select(pos, zero, M).sum(dim=0)
+        else:
+            pos = M >= 0
+            pos_total, neg_total = torch.where(pos, M, zero).sum(dim=0), torch.where(pos, zero, M).sum(dim=0)
+        pos_count = pos.sum(dim=0)
+        means = torch.cat([pos_total / pos_count.clamp(min=1), neg_total / (rows - pos_count).clamp(min=1)]).float()
+        return means, pack_bits(pos, 1)
 
     def decompress(self, fields, ctx):
         means, packed = fields
         pos_mean, neg_mean = means.view(2, -1)
-        bits = decode_signs(packed, self.matrix_shape(ctx.shape)) > 0
-        return torch.where(bits, pos_mean, neg_mean).reshape(ctx.shape)
+        shape = self.matrix_shape(ctx.shape)
+        numel = math.prod(shape)
+        bits = unpack_bits(packed, 1, numel).view(torch.bool).view(shape)
+        scratch = workspace("onebit.mask", numel, torch.int32, bits.device).view(shape)
+        return select(bits, pos_mean, neg_mean, scratch=scratch).reshape(ctx.shape)
 
     def payload_bytes(self, ctx, kept=None):
         return 8 * self.matrix_shape(ctx.shape)[1] + _bits_bytes(ctx)
@@ -105,6 +134,12 @@ class _SignVote(GatheredCompressor):
 
     def combine(self, decoded, ctx):
         return majority_vote(decoded)
+
+    def exchange(self, x, ctx):
+        # Vote on the bits directly; decode this rank's own signs only if error feedback asks for them.
+        fields = self.compress(x, ctx)
+        gathered = yield AllGather(tuple(fields), same_size=True)
+        return Exchanged(vote_of_bits(gathered, ctx.shape), lambda: self.decompress(gathered[ctx.rank], ctx))
 
     def payload_bytes(self, ctx, kept=None):
         return _bits_bytes(ctx)
@@ -146,7 +181,11 @@ class Signum(_SignVote):
 
     def signs_of(self, x, ctx):
         m = ctx.get(self.state_key)
-        m = (1 - self.beta) * x if m is None else self.beta * m + (1 - self.beta) * x
+        if m is None:
+            m = (1 - self.beta) * x
+        else:  # beta * m + (1 - beta) * x, rounded as written
+            step = torch.mul(x, 1 - self.beta, out=workspace("signum", x.numel(), x.dtype, x.device).view(x.shape))
+            m = torch.mul(m, self.beta).add_(step)
         ctx.set(self.state_key, m)
         return m
 
@@ -171,12 +210,15 @@ class EFSignSGD(GatheredCompressor):
 
     def compress(self, x, ctx):
         # Sum / max(n, 1) instead of mean(): an empty tensor gets scale 0, not NaN.
-        scale = x.abs().sum(dtype=torch.float32) / max(x.numel(), 1)
+        # |x| into a reused buffer, unless x's own layout sets the order of the sum.
+        magnitudes = (torch.abs(x, out=workspace("abs", x.numel(), x.dtype, x.device).view(x.shape))
+                      if x.is_contiguous() else x.abs())
+        scale = magnitudes.sum(dtype=torch.float32) / max(x.numel(), 1)
         return scale.reshape(1), encode_signs(x)
 
     def decompress(self, fields, ctx):
         scale, packed = fields
-        return scale.reshape(()) * decode_signs(packed, ctx.shape)
+        return decode_signs(packed, ctx.shape).mul_(scale.reshape(()))
 
     def payload_bytes(self, ctx, kept=None):
         return 4 + _bits_bytes(ctx)

@@ -16,6 +16,7 @@ from ..bits import index_dtype
 from . import register
 from .base import AllGather, AllReduce, Compressor, Exchanged, GatheredCompressor, TensorContext, check_ratio
 from .base import value_dtype as _parse_value_dtype
+from .base import workspace
 
 
 class Sparsifier(GatheredCompressor):
@@ -49,13 +50,20 @@ class Sparsifier(GatheredCompressor):
     def exchange(self, x, ctx):
         fields = self.compress(x, ctx)
         gathered = yield AllGather(fields, same_size=self.same_size)
-        total = torch.zeros(ctx.shape.numel(), dtype=torch.float32, device=x.device)
-        for values, idx in gathered:  # rank order: identical float sums on every rank
-            total.index_add_(0, idx.long(), values.float())
-        sent = self.decompress(gathered[ctx.rank], ctx)
-        mask = torch.zeros(ctx.shape.numel(), dtype=torch.bool, device=x.device)
-        mask[fields[1].long()] = True
-        return Exchanged((total / ctx.world_size).view(ctx.shape), sent, mask.view(ctx.shape))
+        n = ctx.shape.numel()
+        total = torch.zeros(n, dtype=torch.float32, device=x.device)
+        positions = [idx.long() for _, idx in gathered]
+        for (values, _), idx in zip(gathered, positions):  # rank order: identical float sums on every rank
+            total.index_add_(0, idx, values.float())
+        # The mean: total / N, computed where something was sent (0 / N is 0 everywhere else).
+        if sum(idx.numel() for idx in positions) * 4 < n:
+            union = torch.cat(positions)
+            total[union] = total[union] / ctx.world_size
+        else:
+            total.div_(ctx.world_size)
+        # sent is zero but at this rank's own positions: error feedback touches only those.
+        sent = (positions[ctx.rank], gathered[ctx.rank][0].float())
+        return Exchanged(total.view(ctx.shape), sparse=sent)
 
     def payload_bytes(self, ctx, kept=None):
         if kept is None:
@@ -84,7 +92,7 @@ class TopK(Sparsifier):
         return math.ceil(self.ratio * ctx.shape.numel())
 
     def select(self, flat, ctx):
-        return torch.topk(flat.abs(), self.kept(ctx), sorted=False).indices
+        return top_k(magnitudes(flat), self.kept(ctx))
 
 
 # -- parameter checks and selection helpers ---------------------------------------------------------------
@@ -130,8 +138,75 @@ def _kth_largest(a: torch.Tensor, k: int) -> torch.Tensor:
 
 def _at_least(a: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
     # Zeros are never worth sending: a zero threshold (sparse gradients, e.g. embeddings) must not
-    # select the whole tensor.
-    return ((a >= threshold) & (a > 0)).nonzero().reshape(-1)
+    # select the whole tensor.  For a >= 0, "a >= t and a > 0" is "a >= max(t, smallest positive
+    # subnormal)": one comparison pass instead of three (a NaN threshold stays NaN and selects nothing).
+    info = torch.finfo(a.dtype)
+    passed = workspace("mask", a.numel(), torch.bool, a.device)
+    return torch.ge(a, threshold.clamp_min(info.smallest_normal * info.eps), out=passed).nonzero().reshape(-1)
+
+
+def magnitudes(flat: torch.Tensor) -> torch.Tensor:
+    """|flat| in a reused workspace (see :func:`workspace`): only for selections done before a yield."""
+    return torch.abs(flat, out=workspace("abs", flat.numel(), flat.dtype, flat.device))
+
+
+#: Rows up to this length are reduced by one serial loop each (torch's parallel grain is 32768).
+_SERIAL_ROW = 8192
+
+#: top_k pre-filters with a sample only above this size (torch.topk is fast enough below, and on GPUs).
+_PREFILTER_MIN = 1 << 16
+
+
+def top_k(a: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest values of the 1-D ``a``, exactly as ``torch.topk(a, k).indices`` up to
+    the order of the indices and the choice among tied values.
+
+    ``torch.topk`` over millions of elements is slow on CPUs.  A fixed strided sample (no randomness:
+    Top-k is deterministic) gives a threshold t that a little over k elements reach; the exact top-k
+    then runs over those candidates only.  It is exact whenever at least k candidates pass (then the
+    k-th largest value is >= t, so every top-k element is a candidate); otherwise, which a skewed
+    sample can cause, it falls back to the full ``torch.topk``.  Candidates are "not below t", so NaNs
+    count as the largest values, as in ``torch.topk``.
+    """
+    n = a.numel()
+    # Sample about 200 n / k elements: the count above the sample's r-th largest has a relative
+    # spread of about 1 / sqrt(r), and r is set 20% plus 3 standard deviations above k's share.
+    stride = k // 200
+    if stride < 2 or n < _PREFILTER_MIN or a.device.type != "cpu" or 8 * k > n:
+        return torch.topk(a, k, sorted=False).indices
+    sample = a[::stride]
+    share = k * sample.numel() / n
+    r = min(sample.numel(), math.ceil(1.2 * share + 3 * math.sqrt(share) + 1))
+    threshold = _kth_largest(sample, r)
+    below = torch.lt(a, threshold, out=workspace("mask", n, torch.bool, a.device))
+    candidates = below.logical_not_().nonzero().reshape(-1)
+    if candidates.numel() < k:
+        return torch.topk(a, k, sorted=False).indices
+    return candidates[torch.topk(a[candidates], k, sorted=False).indices]
+
+
+def random_positions(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """k distinct positions out of n, every k-subset equally likely, drawn from ``gen`` only.
+
+    ``randperm(n)[:k]`` costs O(n) (over a second for 25M elements on a CPU) to keep 1%.  For large,
+    sparse draws this takes independent uniform draws until k distinct values have appeared and keeps
+    the first k distinct ones in draw order: sequential sampling without replacement, so the subset is
+    uniform; the positions come back in ascending order (the sum order is the same on every rank).
+    """
+    device = gen.device
+    if n < _PREFILTER_MIN or 16 * k > n or device.type != "cpu":  # randperm is fast on GPUs
+        return torch.randperm(n, generator=gen, device=device)[:k]
+    draws = torch.empty(0, dtype=torch.long, device=device)
+    while True:
+        # Expected repeats among m draws are about m^2 / 2n; draw a few standard deviations more.
+        extra = math.ceil(k * k / n + 6 * math.sqrt(k * k / n) + 16)
+        draws = torch.cat([draws, torch.randint(n, (k + extra,), generator=gen, device=device)])
+        distinct, inverse = torch.unique(draws, return_inverse=True)
+        if distinct.numel() >= k:
+            break
+    order = torch.arange(draws.numel(), device=device)
+    first = torch.full_like(distinct, draws.numel()).scatter_reduce_(0, inverse, order, "amin")
+    return distinct[first <= torch.kthvalue(first, k).values]
 
 
 # -- sparsifiers with positions shared by all ranks: values are allreduced ------------------------------
@@ -162,12 +237,8 @@ class SharedSparsifier(Compressor):
         payload = (flat[idx] * (scale / pre)).to(vdtype)
         total = yield AllReduce(payload)
         aggregate = torch.zeros(flat.numel(), dtype=torch.float32, device=x.device)
-        sent = torch.zeros_like(aggregate)
-        mask = torch.zeros(flat.numel(), dtype=torch.bool, device=x.device)
         aggregate[idx] = total.float() * (pre / ctx.world_size)
-        sent[idx] = payload.float() * pre
-        mask[idx] = True
-        return Exchanged(aggregate.view(ctx.shape), sent.view(ctx.shape), mask.view(ctx.shape))
+        return Exchanged(aggregate.view(ctx.shape), sparse=(idx, payload.float() * pre))
 
 
 @register
@@ -197,8 +268,7 @@ class RandomK(SharedSparsifier):
 
     def exchange(self, x, ctx):
         n, k = ctx.shape.numel(), self.kept(ctx)
-        gen = ctx.generator(x.device, shared=True)
-        idx = torch.randperm(n, generator=gen, device=x.device)[:k]
+        idx = random_positions(n, k, ctx.generator(x.device, shared=True))
         scale = n / k if self.unbiased and k else 1.0
         return (yield from self.reduce_at(x, idx, ctx, scale))
 
@@ -227,7 +297,8 @@ class Threshold(Sparsifier):
         self.tau = _check_number("tau", tau, lambda t: t > 0, "a finite number > 0")
 
     def select(self, flat, ctx):
-        return (flat.abs() > self.tau).nonzero().reshape(-1)
+        passed = workspace("mask", flat.numel(), torch.bool, flat.device)
+        return torch.gt(magnitudes(flat), self.tau, out=passed).nonzero().reshape(-1)
 
 
 @register
@@ -252,7 +323,7 @@ class GradientDropping(Sparsifier):
         self.sample_ratio = check_ratio("sample_ratio", sample_ratio, allow_zero=False)
 
     def select(self, flat, ctx):
-        a = flat.abs()
+        a = magnitudes(flat)
         if a.numel() == 0:
             return torch.empty(0, dtype=torch.long, device=a.device)
         sample = strided_sample(a, self.sample_ratio, ctx)
@@ -315,7 +386,7 @@ class DGC(Sparsifier):
         return strided_sample(a, self.sample_ratio, ctx)
 
     def select(self, flat, ctx):
-        a = flat.abs()
+        a = magnitudes(flat)
         density = self.density(ctx.epoch)
         k = math.ceil(density * a.numel())
         if k == 0:
@@ -366,14 +437,28 @@ class CSC(SharedSparsifier):
         flat = x.reshape(-1).float()
         n, c = flat.numel(), self.chunk_size
         nchunks = -(-n // c)
-        chunks = torch.cat([flat, flat.new_zeros(nchunks * c - n)]).view(nchunks, c)
-        norms = yield AllReduce(chunks.abs().sum(dim=1))
+        norms = yield AllReduce(self.chunk_norms(flat, nchunks))
         # Every rank holds the same summed norms, and the stable sort breaks ties by chunk id, so all
         # ranks pick the same chunks in the same (ascending) order.
         kc = math.ceil(self.ratio * nchunks)
         top = torch.sort(norms, descending=True, stable=True).indices[:kc].sort().values
         idx = (top.unsqueeze(1) * c + torch.arange(c, device=x.device)).reshape(-1)
         return (yield from self.reduce_at(flat, idx[idx < n], ctx))
+
+    def chunk_norms(self, flat: torch.Tensor, nchunks: int) -> torch.Tensor:
+        """L1 norm of every chunk, the last one zero-padded to ``chunk_size``."""
+        n, c = flat.numel(), self.chunk_size
+        full = n // c
+        if c > _SERIAL_ROW:  # a long single row is summed in parallel pieces: pad it with the rest
+            return torch.cat([flat, flat.new_zeros(nchunks * c - n)]).view(nchunks, c).abs().sum(dim=1)
+        # Only the last chunk is padded (copying the whole tensor to pad it would cost a pass); each row
+        # is summed by the same serial loop, so the norms are those of the padded matrix, bit for bit.
+        norms = magnitudes(flat[: full * c]).view(full, c).sum(dim=1)
+        if full < nchunks:
+            last = flat.new_zeros(1, c)
+            last[0, : n - full * c] = flat[full * c :]
+            norms = torch.cat([norms, last.abs().sum(dim=1)])
+        return norms
 
     def payload_bytes(self, ctx, kept=None):
         if kept is None:

@@ -1,0 +1,203 @@
+"""The fast paths behind `gradzip bench kernels` give the same results as the plain tensor code.
+
+The shared matrix uses small tensors; these paths switch on for large ones (sampled top-k, sparse
+random positions, numpy bit packing) or for particular layouts, so they are checked here directly.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import gradzip
+from gradzip import feedback
+from gradzip.bits import pack_bits, select, unpack_bits
+from gradzip.collectives import LocalTransport, run_lockstep
+from gradzip.compressors.base import Exchanged, TensorContext
+from gradzip.compressors.sparse import random_positions, top_k
+
+
+def randn(*shape, seed=0):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+# -- top_k: sampled pre-filter, exact result -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("n, k", [(100_000, 1_000), (300_000, 300), (1_000_000, 10_000), (200_000, 20_000)])
+def test_top_k_is_the_exact_top_k(n, k):
+    a = randn(n, seed=n + k).abs()
+    got = top_k(a, k)
+    assert got.numel() == k and got.unique().numel() == k
+    assert torch.equal(got.sort().values, torch.topk(a, k).indices.sort().values)
+
+
+def test_top_k_falls_back_when_the_sample_misleads_and_keeps_nans_first():
+    n, k = 200_000, 2_000
+    a = torch.zeros(n)
+    a[1::1000] = torch.arange(1, 201, dtype=torch.float32)  # the strided sample sees only zeros
+    a[5] = float("nan")
+    got = top_k(a, k)
+    expected = torch.topk(a, k).indices
+    assert got.numel() == k and bool(torch.isnan(a[got]).any())
+    assert torch.equal(a[got].sort().values.nan_to_num(1e9), a[expected].sort().values.nan_to_num(1e9))
+
+
+def test_top_k_with_ties_keeps_k_values_of_the_right_size():
+    a = (torch.arange(400_000) % 7).float()  # six values, huge ties
+    got = top_k(a, 70_000)
+    assert got.unique().numel() == 70_000
+    assert torch.equal(a[got].sort().values, torch.topk(a, 70_000).values.sort().values)
+
+
+# -- random_positions: uniform k-subsets without an O(n) permutation -----------------------------------
+
+
+def test_random_positions_are_distinct_sorted_and_reproducible():
+    n, k = 1_000_000, 10_000
+    a = random_positions(n, k, torch.Generator().manual_seed(3))
+    b = random_positions(n, k, torch.Generator().manual_seed(3))
+    assert torch.equal(a, b) and a.numel() == k and a.dtype == torch.int64
+    assert bool((a[1:] > a[:-1]).all()) and 0 <= int(a[0]) and int(a[-1]) < n
+    assert not torch.equal(a, random_positions(n, k, torch.Generator().manual_seed(4)))
+
+
+def test_random_positions_are_uniform():
+    # Every position is drawn with probability k / n; over T fixed seeds the counts are Binomial(T, k/n)
+    # per position, so the chi-square statistic over n positions is n - 1 +- sqrt(2 (n - 1)).
+    n, k, steps = 70_000, 4_000, 400
+    counts = torch.zeros(n)
+    for seed in range(steps):
+        counts.index_add_(0, random_positions(n, k, torch.Generator().manual_seed(seed)), torch.ones(k))
+    p = k / n
+    chi2 = float(((counts - steps * p) ** 2 / (steps * p * (1 - p))).sum())
+    assert abs(chi2 - (n - 1)) < 6 * math.sqrt(2 * (n - 1))
+    # First and second halves get their share (no bias toward small indices).
+    assert abs(float(counts[: n // 2].sum()) / (steps * k) - 0.5) < 0.01
+
+
+def test_randomk_on_a_large_tensor_sends_k_shared_positions():
+    comp = gradzip.make("randomk", ratio=0.01)
+    x = randn(400, 500, seed=2)
+    outs = []
+    for rank in range(2):
+        ctx = TensorContext("w", x.shape, x.dtype, step=3, rank=rank, world_size=2)
+        gen = comp.exchange(x * (rank + 1), ctx)
+        outs.append(next(gen))
+    assert outs[0].tensor.shape == (2000,)
+    assert torch.equal(outs[0].tensor * 2, outs[1].tensor)  # same positions on both ranks
+
+
+# -- bit packing (numpy on the CPU) against the tensor reference ---------------------------------------
+
+
+def _reference_pack(codes, bits):
+    n = codes.numel()
+    stream = ((codes.to(torch.int64).unsqueeze(1) >> torch.arange(bits)) & 1).reshape(-1)
+    padded = torch.zeros(math.ceil(n * bits / 8) * 8, dtype=torch.uint8)
+    padded[: stream.numel()] = stream.to(torch.uint8)
+    return (padded.view(-1, 8).to(torch.int64) << torch.arange(8)).sum(dim=1).to(torch.uint8)
+
+
+@pytest.mark.parametrize("bits", list(range(1, 17)))
+def test_pack_unpack_match_the_reference_layout(bits):
+    for n in (0, 1, 7, 8, 9, 1000, 65_537):
+        codes = torch.randint(0, 2**bits, (n,), generator=torch.Generator().manual_seed(n + bits))
+        packed = pack_bits(codes, bits)
+        assert packed.dtype == torch.uint8 and torch.equal(packed, _reference_pack(codes, bits))
+        back = unpack_bits(packed, bits, n)
+        assert back.dtype == (torch.uint8 if bits <= 8 else torch.int64)
+        assert torch.equal(back.long(), codes)
+    bools = randn(1001) >= 0
+    assert torch.equal(pack_bits(bools, 1), _reference_pack(bools.long(), 1))
+
+
+def test_select_is_torch_where_bit_for_bit():
+    specials = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-45, -3.5])
+    a = torch.cat([specials, randn(1000)]).reshape(-1, 1).expand(-1, 8).contiguous()
+    b = torch.cat([randn(1000, seed=1), specials.flip(0)]).reshape(-1, 1).expand(-1, 8).contiguous()
+    cond = randn(*a.shape, seed=2) > 0
+    for x, y in ((a, b), (a, torch.zeros(())), (torch.zeros(()), b), (a[0], b[0])):
+        want = torch.where(cond, x, y)
+        got = select(cond, x, y)
+        assert torch.equal(want.view(torch.int32), got.view(torch.int32))
+
+
+# -- lazy Exchanged, in-place error feedback -----------------------------------------------------------
+
+
+def test_sent_is_not_built_without_error_feedback():
+    calls = []
+    agg = torch.ones(3)
+    ex = Exchanged(agg, lambda: calls.append(1) or agg * 2)
+    assert calls == []
+    assert torch.equal(ex.sent, agg * 2) and torch.equal(ex.sent, agg * 2) and calls == [1]  # built once
+    sparse = Exchanged(torch.zeros(2, 3), sparse=(torch.tensor([1, 4]), torch.tensor([5.0, -1.0])))
+    assert torch.equal(sparse.sent, torch.tensor([[0.0, 5.0, 0.0], [0.0, -1.0, 0.0]]))
+    assert torch.equal(sparse.mask, sparse.sent != 0) and sparse.kept() == 2
+
+
+@pytest.mark.parametrize("name", ["none", "fp16", "signsgd", "qsgd"])
+def test_residual_feedback_when_the_method_hands_its_input_back(name):
+    # "none" returns its input as sent: the residual update must not overwrite it in place.
+    state = gradzip.GradzipState(name, feedback="residual")
+    for step in range(3):
+        g = randn(50, 40, seed=step)
+        before = state.tensors.get("w", {}).get("residual")
+        p = g if before is None else g + before
+        (out,) = state.exchange([("w", g)])
+        atol = 4 * torch.finfo(torch.float32).eps * float(p.abs().max())  # one rounding of p - sent
+        torch.testing.assert_close(out + state.tensors["w"]["residual"], p, rtol=0, atol=atol)
+    if name == "none":
+        assert torch.equal(state.tensors["w"]["residual"], torch.zeros(50, 40))
+
+
+@pytest.mark.parametrize("name, params", [("topk", {}), ("dgc", {"warmup_epochs": 0}), ("randomk", {}),
+                                          ("csc", {"chunk_size": 10_000}), ("powersgd", {"dense_steps": 0})])
+def test_large_tensors_conserve_error_feedback(name, params):
+    state = gradzip.GradzipState(name, **params)
+    for step in range(3):
+        g = randn(300, 700, seed=10 + step)
+        before = {k: v.clone() for k, v in state.tensors.get("w", {}).items()}
+        (out,) = state.exchange([("w", g)])
+        after = state.tensors["w"]
+        if state.compressor.feedback == "residual":
+            p = g + before.get("residual", 0)
+            torch.testing.assert_close(out + after["residual"], p, rtol=0, atol=4e-7 * float(p.abs().max()))
+        else:  # DGC's momentum correction: sent + kept velocity == velocity before sending
+            u = 0.9 * before.get("momentum", torch.zeros_like(g)) + g
+            v = before.get("velocity", 0) + u
+            torch.testing.assert_close(out + after["velocity"], v, rtol=0, atol=4e-7 * float(v.abs().max()))
+            assert torch.equal(after["momentum"], torch.where(out != 0, 0.0, u))
+
+
+def test_csc_chunk_norms_equal_the_padded_matrix_norms():
+    comp = gradzip.make("csc")
+    for n, c in [(1000, 7), (5000, 256), (70_000, 8192), (70_000, 40_000), (10, 256)]:
+        comp.chunk_size = c
+        flat = randn(n, seed=c)
+        nchunks = -(-n // c)
+        want = torch.cat([flat, torch.zeros(nchunks * c - n)]).view(nchunks, c).abs().sum(dim=1)
+        assert torch.equal(comp.chunk_norms(flat, nchunks), want)
+
+
+def test_nonfinite_check_reads_min_and_max():
+    state = gradzip.GradzipState("none")
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        g = randn(33, 40).to(torch.float16)
+        g[17, 3] = bad
+        outs = state.exchange([("ok", randn(5)), ("w", g.t())])
+        assert all(torch.isnan(o).all() for o in outs)
+    assert state.stats()["nonfinite_exchanges"] == 3
+
+
+def test_world_of_one_fused_results_are_views_that_do_not_overlap():
+    x, y = randn(10), randn(3, 4)
+    ctx_x, ctx_y = TensorContext("x", x.shape, x.dtype), TensorContext("y", y.shape, y.dtype)
+    comp = gradzip.make("none")
+    (rx, ry), _ = run_lockstep([feedback.exchange(comp, x, ctx_x), feedback.exchange(comp, y, ctx_y)],
+                               LocalTransport())
+    assert torch.equal(rx.aggregate, x) and torch.equal(ry.aggregate, y)
+    rx.aggregate.zero_()
+    assert torch.equal(ry.aggregate, y) and not torch.equal(x, torch.zeros(10))  # inputs untouched
