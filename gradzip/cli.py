@@ -206,6 +206,57 @@ def report(directory: Path = typer.Argument(..., help="a sweep's directory, or a
     typer.echo("wrote " + ", ".join(str(p) for p in paths))
 
 
+from .bench.cli import bench_app  # noqa: E402
+
+app.add_typer(bench_app, name="bench", help="Benchmarks: kernels (compression cost), e2e (training speed).")
+
+
+@bench_app.command("e2e")
+def bench_e2e(
+    links: List[str] = typer.Option(["rate=100mbit", "rate=1gbit", "rate=10gbit", "unthrottled"], "--link"),
+    workers: int = typer.Option(4, "--workers", "-n"),
+    steps: int = typer.Option(150, help="training steps per contender (one 'epoch')"),
+    out: Optional[str] = typer.Option(None, help="also write the Markdown table here"),
+    out_dir: str = "runs/bench-e2e",
+):
+    """Epoch time, step time and accuracy of dense, PyTorch's hooks, the no-communication limit and
+    gradzip's methods on emulated links (needs root for --link rate=...)."""
+    from .bench import e2e
+
+    results = e2e.run(links=links, workers=workers, steps=steps, out_dir=out_dir, log=typer.echo)
+    e2e.save(results, f"{out_dir}/results.json")
+    text = e2e.table(results, steps, workers)
+    typer.echo(text)
+    if out:
+        Path(out).write_text(text)
+        e2e.plot(results, str(Path(out).with_suffix(".png")))
+
+
+@app.command()
+def advise(
+    model: str = typer.Option("cnn", help="cnn | mlp | resnet20 | lstm"),
+    dataset: str = "fashion-mnist",
+    data_dir: Optional[str] = None,
+    netem: Optional[str] = typer.Option(None, help='measure on an emulated link, e.g. "rate=1gbit" (root)'),
+    bandwidth: Optional[str] = typer.Option(None, help='use this bandwidth instead of measuring, e.g. "1gbit"'),
+    alpha_us: Optional[float] = typer.Option(None, help="per-message latency in microseconds (with --bandwidth)"),
+    workers: int = typer.Option(2, "--workers", "-n", help="number of workers to project for"),
+    method: List[str] = typer.Option([], "--method", "-m", help='e.g. "topk:ratio=0.01" (repeatable)'),
+    batch_size: int = 32,
+    overlap: Optional[float] = typer.Option(None, help="fraction of communication hidden (default: DDP's bucket timeline)"),
+):
+    """Measure compute, link and each method's overhead; rank methods by projected step time."""
+    from .advise import advise as run_advise
+
+    try:
+        run_advise(model, dataset, netem=netem, bandwidth=bandwidth,
+                   alpha=None if alpha_us is None else alpha_us * 1e-6, workers=workers, methods=method or None,
+                   batch_size=batch_size, overlap=overlap, data_dir=data_dir, echo=typer.echo)
+    except (ValueError, PermissionError, FileNotFoundError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
+
+
 def main():
     app()
 

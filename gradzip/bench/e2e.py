@@ -90,3 +90,42 @@ def table(results: list[Result], steps: int, workers: int) -> str:
                          f"{speed} | {vs_limit} |")
         lines.append("")
     return "\n".join(lines)
+
+
+def plot(results: list[Result], path: str) -> None:
+    """Epoch time against link bandwidth, one line per contender (log-log)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    speeds = {"rate=100mbit": 0.1, "rate=1gbit": 1.0, "rate=10gbit": 10.0, "unthrottled": 40.0}
+    fig = Figure(figsize=(8, 5))
+    ax = fig.add_subplot()
+    for label in dict.fromkeys(r.label for r in results):
+        points = sorted((speeds[r.link], r.epoch_s) for r in results
+                        if r.label == label and r.error is None and r.link in speeds)
+        if points:
+            style = "--" if not label.startswith("gradzip") else "-"
+            ax.plot(*zip(*points), style, marker="o", label=label)
+        for r in results:
+            if r.label == label and r.error is not None and r.link in speeds:
+                ax.plot([speeds[r.link]], [ax.get_ylim()[1]], "x", color="red")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xticks(list(speeds.values()), ["100 Mbit/s", "1 Gbit/s", "10 Gbit/s", "unthrottled"])
+    ax.set_xlabel("link bandwidth per worker (emulated, tbf)")
+    ax.set_ylabel("training epoch time (s)")
+    ax.set_title("Epoch time vs bandwidth (4 workers, Fashion-MNIST CNN)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def save(results: list[Result], path: str) -> None:
+    json.dump([r.__dict__ for r in results], open(path, "w"), indent=1)
+
+
+def load(path: str) -> list[Result]:
+    return [Result(**row) for row in json.load(open(path))]
