@@ -122,3 +122,14 @@ def test_sigkilled_worker_restarts_under_torchrun_and_the_run_finishes_exactly(t
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in records if r["kind"] == "step"]
     assert steps == list(range(1, len(steps) + 1)), "metrics repeat or skip steps after the restart"
+
+
+def test_a_run_past_its_timeout_is_stopped_and_reported(tmp_path):
+    from gradzip.harness.trainer import TrainConfig, launch
+
+    config = TrainConfig(model="mlp", dataset="digits", workers=2, epochs=50, timeout_s=1.0, progress=False,
+                         out_dir=str(tmp_path), name="slow")
+    start = time.time()
+    with pytest.raises(TimeoutError, match="did not finish within 1 s"):
+        launch(config)
+    assert time.time() - start < 30

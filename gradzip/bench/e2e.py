@@ -50,6 +50,7 @@ def run(links=LINKS, workers: int = 4, steps: int = 150, batch_size: int = 32, l
             config = TrainConfig(compressor=compressor, params=dict(params), baseline=baseline, workers=workers,
                                  epochs=1, max_steps=steps, batch_size=batch_size, lr=lr, test_size=2000,
                                  netem=None if link == "unthrottled" else link, out_dir=out_dir,
+                                 timeout_s=max(300.0, 5.0 * steps),  # a peer hang is reported, not waited out
                                  name=f"{link.replace('=', '-')}-{label.replace(' ', '_')}", progress=False)
             start = time.perf_counter()
             try:

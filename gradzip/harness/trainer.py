@@ -67,6 +67,7 @@ class TrainConfig:
     seq_len: int = 35
     synthetic_shape: tuple = (1, 28, 28)
     netem: Optional[str] = None  # e.g. "rate=100mbit": each worker in its own network namespace (root)
+    timeout_s: Optional[float] = None  # stop the workers and fail if the run takes longer (a hang)
     checkpoint_steps: Optional[int] = None
     resume: bool = False
     out_dir: str = "runs"
@@ -133,8 +134,11 @@ def _spawn(config: TrainConfig, cluster) -> dict:
         p.start()
     try:
         running = list(procs)
+        deadline = None if config.timeout_s is None else time.monotonic() + config.timeout_s
         while running:
-            mp_connection.wait([p.sentinel for p in running])
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not mp_connection.wait([p.sentinel for p in running], timeout=left) and deadline is not None:
+                raise TimeoutError(f"run {config.name} did not finish within {config.timeout_s:g} s (hung)")
             running = [p for p in running if p.exitcode is None]
             if any(p.exitcode for p in procs):
                 break  # a dead worker leaves the others blocked in a collective: stop them now
