@@ -96,7 +96,9 @@ def test_sigkilled_worker_restarts_under_torchrun_and_the_run_finishes_exactly(t
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_port()}", "-m", "gradzip", "train", *args,
            "--name", "killed"]
     run = tmp_path / "killed"
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # Own session: on failure the whole tree (torchrun and its workers) is killed, leaving no orphans.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     try:
         deadline = time.time() + 120
         killed = None
@@ -111,7 +113,8 @@ def test_sigkilled_worker_restarts_under_torchrun_and_the_run_finishes_exactly(t
         output, _ = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     assert proc.returncode == 0, output[-3000:]
     assert int((run / "rank1.pid").read_text()) != killed, "rank 1 was not restarted"
     summary = json.loads((run / "summary.json").read_text())
