@@ -10,7 +10,6 @@ That keeps each compressor a few lines of the paper's equations, and makes multi
 """
 from __future__ import annotations
 
-import math
 import threading
 import zlib
 from dataclasses import dataclass, field
@@ -279,10 +278,6 @@ class GatheredCompressor(Compressor):
         gathered = yield AllGather(tuple(fields), same_size=self.same_size)
         decoded = [self.decompress(f, ctx) for f in gathered]
         return Exchanged(self.combine(decoded, ctx), decoded[ctx.rank])
-
-
-def numel_of(shape) -> int:
-    return math.prod(shape)
 
 
 _WORKSPACE = threading.local()

@@ -187,7 +187,7 @@ def write_markdown(rows: list, path: Path, *, title: str, description: str, fini
         lines.append("| " + " | ".join(cells) + " |")
     lines += _pivot(rows, score, lm)
     if tuned_lrs:
-        lines += ["", f"## Tuned learning rates", "",
+        lines += ["", "## Tuned learning rates", "",
                   f"Chosen by the best mean {tuned_lrs['score'].replace('_', ' ')} over tuning seeds "
                   f"{tuned_lrs['seeds']} on a held-out {tuned_lrs['validation']:g} of the training set.", "",
                   "| method | workers | tuned at | lr | " + " | ".join(f"lr {lr:g}" for lr in tuned_lrs["lrs"]) + " |",
