@@ -7,12 +7,11 @@ rating from the literature (:func:`accuracy_risk`).
 """
 from __future__ import annotations
 
-import ast
 import math
 from typing import Callable, Iterable, Optional, Union
 
 from . import model as cost
-from .compressors import make
+from .compressors import make, parse_value
 
 __all__ = ["advise", "accuracy_risk", "parse_method", "format_advice", "DEFAULT_METHODS"]
 
@@ -79,14 +78,7 @@ def parse_method(spec: Union[str, tuple]) -> tuple[str, dict]:
         key, eq, raw = item.partition("=")
         if not eq:
             raise ValueError(f"bad method parameter {item!r} in {spec!r}; expected NAME:KEY=VALUE,KEY=VALUE")
-        lowered = raw.strip().lower()
-        if lowered in ("true", "false", "none"):
-            params[key.strip()] = {"true": True, "false": False, "none": None}[lowered]
-            continue
-        try:
-            params[key.strip()] = ast.literal_eval(raw.strip())
-        except (ValueError, SyntaxError):
-            params[key.strip()] = raw.strip()
+        params[key.strip()] = parse_value(raw)
     make(name.strip(), **params)  # fail early on an unknown method or parameter
     return name.strip(), params
 

@@ -1,7 +1,6 @@
 """The ``gradzip`` command line (typer)."""
 from __future__ import annotations
 
-import ast
 import json
 from pathlib import Path
 from typing import List, Optional
@@ -9,6 +8,7 @@ from typing import List, Optional
 import typer
 
 import gradzip
+from gradzip.compressors import parse_value
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="gradzip: gradient compression for data-parallel PyTorch training.")
@@ -21,15 +21,7 @@ def parse_params(items: List[str]) -> dict:
         if "=" not in item:
             raise typer.BadParameter(f"{item!r} is not KEY=VALUE (e.g. --param ratio=0.01)")
         key, raw = item.split("=", 1)
-        lowered = raw.strip().lower()
-        if lowered in ("true", "false", "none"):
-            value = {"true": True, "false": False, "none": None}[lowered]
-        else:
-            try:
-                value = ast.literal_eval(raw)
-            except (ValueError, SyntaxError):
-                value = raw
-        params[key.strip()] = value
+        params[key.strip()] = parse_value(raw)
     return params
 
 

@@ -13,6 +13,7 @@ Safety rules this layer guarantees:
 """
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -105,6 +106,13 @@ class _ThreadTransport(Transport):
 
     def allgather(self, flat):
         return self._exchange(flat)
+
+
+def free_port() -> int:
+    """A free TCP port on loopback, for a local process group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def transport_for(group: Optional[dist.ProcessGroup] = None) -> Transport:

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -49,7 +48,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from multiprocessing import connection as mp_connection
 
-from .collectives import LocalTransport
+from .collectives import LocalTransport, free_port
 from .state import GradzipState
 
 __all__ = ["Link", "fit_link", "Collective", "RecordingTransport", "ddp_buckets", "MethodProfile",
@@ -495,11 +494,6 @@ def measure_link(workers: int = 2, netem: Optional[str] = None, sizes: Sequence[
     return fit_link(points), points
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _entry(rank, world, address, port, namespace, out_dir, fn, args):
     try:
@@ -540,7 +534,7 @@ def run_workers(fn: Callable, workers: int, *args, netem: Optional[str] = None, 
 def _spawn(fn, workers, args, cluster, timeout):
     ctx = mp.get_context("spawn")
     address = cluster.address(0) if cluster else "127.0.0.1"
-    port = _free_port()
+    port = free_port()
     with tempfile.TemporaryDirectory() as out_dir:
         procs = [ctx.Process(target=_entry, args=(r, workers, address, port,
                                                   cluster.namespace(r) if cluster else None, out_dir, fn, args))

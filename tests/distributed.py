@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import traceback
 
@@ -10,11 +9,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from gradzip.collectives import free_port
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(rank, world_size, port, out_dir, fn, args):
@@ -36,7 +32,7 @@ def run_workers(fn, world_size: int, *args, timeout: float = 240.0) -> list:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes; return their results."""
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as out_dir:
-        port = _free_port()
+        port = free_port()
         procs = [ctx.Process(target=_entry, args=(r, world_size, port, out_dir, fn, args)) for r in range(world_size)]
         for p in procs:
             p.start()

@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ import torch
 from typer.testing import CliRunner
 
 from gradzip.cli import app, parse_params
+from gradzip.collectives import free_port
 
 STEP_FIELDS = {"kind", "epoch", "step", "loss", "accuracy", "lr", "density", "bytes_sent", "payload_bytes",
                "dense_bytes", "ratio", "step_s", "compute_s", "compress_s", "communicate_s", "decompress_s",
@@ -82,18 +82,13 @@ def test_bad_input_is_one_clear_line(tmp_path):
     assert result.exit_code == 2 and "valid: ratio" in result.output
 
 
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_sigkilled_worker_restarts_under_torchrun_and_the_run_finishes_exactly(tmp_path):
     args = [*DIGITS, "-c", "topk", "-p", "ratio=0.1", "--epochs", "3", "--checkpoint-steps", "10",
             "--out-dir", str(tmp_path)]
     assert CliRunner().invoke(app, ["train", *args, "--name", "uninterrupted"]).exit_code == 0
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "2",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_port()}", "-m", "gradzip", "train", *args,
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m", "gradzip", "train", *args,
            "--name", "killed"]
     run = tmp_path / "killed"
     # Own session: on failure the whole tree (torchrun and its workers) is killed, leaving no orphans.

@@ -5,6 +5,7 @@ test matrix iterates over this registry, so the new method is tested without fur
 """
 from __future__ import annotations
 
+import ast
 import inspect
 
 from .base import Compressor
@@ -36,6 +37,18 @@ def parameters_of(name: str) -> dict:
     return {p.name: p.default for p in list(sig.parameters.values())[1:] if p.kind is p.KEYWORD_ONLY or p.kind is p.POSITIONAL_OR_KEYWORD}
 
 
+def parse_value(raw: str):
+    """A parameter value typed from text (command lines): true/false/none, Python literals, else the string."""
+    raw = raw.strip()
+    lowered = raw.lower()
+    if lowered in ("true", "false", "none"):
+        return {"true": True, "false": False, "none": None}[lowered]
+    try:
+        return ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        return raw
+
+
 def make(name: str | Compressor, **params) -> Compressor:
     """Build the compressor ``name`` with ``params``; a ready :class:`Compressor` passes through."""
     if isinstance(name, Compressor):
@@ -54,4 +67,4 @@ def make(name: str | Compressor, **params) -> Compressor:
 # Importing the family modules registers their classes (order = listing order).
 from . import dense, sparse, quantize, sign, lowrank  # noqa: E402,F401
 
-__all__ = ["Compressor", "register", "compressors", "compressor_class", "parameters_of", "make"]
+__all__ = ["Compressor", "register", "compressors", "compressor_class", "parameters_of", "make", "parse_value"]

@@ -14,7 +14,6 @@ import dataclasses
 import json
 import math
 import os
-import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +27,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 import gradzip
+from gradzip.collectives import free_port
 
 from .data import load_dataset
 from .models import build_model
@@ -103,11 +103,6 @@ def run_dir(config: TrainConfig) -> Path:
     return Path(config.out_dir) / config.name
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def launch(config: TrainConfig) -> dict:
     """Train; returns rank 0's summary.  Under torchrun this process is one worker of its group."""
@@ -125,7 +120,7 @@ def launch(config: TrainConfig) -> dict:
 
 def _spawn(config: TrainConfig, cluster) -> dict:
     os.environ["MASTER_ADDR"] = cluster.address(0) if cluster else "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(_free_port())
+    os.environ["MASTER_PORT"] = str(free_port())
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_worker, args=(r, config.workers, config, False,
                                                cluster.namespace(r) if cluster else None))
