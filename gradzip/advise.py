@@ -8,12 +8,12 @@ rating from the literature (:func:`accuracy_risk`).
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable, Optional, Union
+from typing import Callable, Iterable, Optional
 
 from . import model as cost
-from .compressors import make, parse_value
+from .compressors import make, parse_spec
 
-__all__ = ["advise", "accuracy_risk", "parse_method", "format_advice", "DEFAULT_METHODS"]
+__all__ = ["advise", "accuracy_risk", "format_advice", "DEFAULT_METHODS"]
 
 DEFAULT_METHODS = ("none", "fp16", "bf16", "powersgd:rank=2", "topk:ratio=0.01", "randomk:ratio=0.01",
                    "dgc:ratio=0.001", "qsgd:levels=1", "qsgd:levels=7", "terngrad", "natural", "efsignsgd",
@@ -22,6 +22,7 @@ DEFAULT_METHODS = ("none", "fp16", "bf16", "powersgd:rank=2", "topk:ratio=0.01",
 _GRACE = "biased, no error feedback: Top-k 1% got 42.5% top-1 without it, 73.0% with it (GRACE, ResNet-50)"
 _SPARSE = ("medium", "biased sparsifier with error feedback: converges (Stich et al. 2018), may lose a little",
            "high", _GRACE)
+_LEVELS = ("low", "medium", "high", "unknown")
 # method -> (risk with error feedback, why, risk without, why).  Sources: /work/shared/ALGORITHMS.md, the papers.
 _RULES = {
     "none": ("low", "exact average") * 2,
@@ -51,6 +52,12 @@ def accuracy_risk(method: str, params: Optional[dict] = None, density: Optional[
     is rated high: its updates wait in the residual for many steps.
     """
     params = dict(params or {})
+    if method == "auto":  # it may end up using any candidate: rate its riskiest one
+        auto = make(method, **params)
+        rated = [(accuracy_risk(name, {**p, "feedback": auto.feedback}), spec)
+                 for spec in auto.candidates for name, p in [parse_spec(spec)]]
+        (risk, why), spec = max(rated, key=lambda r: _LEVELS.index(r[0][0]))
+        return risk, f"may choose {spec}: {why}"
     if method not in _RULES and method != "qsgd":
         return "unknown", "not in the rule table"
     feedback = make(method, **params).feedback != "none"
@@ -65,22 +72,6 @@ def accuracy_risk(method: str, params: Optional[dict] = None, density: Optional[
         return "high", "unbiased, but the variance grows n/k-fold (100x at 1%) (Stich et al. 2018)"
     risk_ef, why_ef, risk, why = _RULES[method]
     return (risk_ef, why_ef) if feedback else (risk, why)
-
-
-def parse_method(spec: Union[str, tuple]) -> tuple[str, dict]:
-    """``"topk:ratio=0.001,value_dtype=float16"`` -> ("topk", {"ratio": 0.001, "value_dtype": "float16"})."""
-    if isinstance(spec, tuple):
-        name, params = spec
-        return name, dict(params)
-    name, _, rest = spec.partition(":")
-    params = {}
-    for item in filter(None, (p.strip() for p in rest.split(","))):
-        key, eq, raw = item.partition("=")
-        if not eq:
-            raise ValueError(f"bad method parameter {item!r} in {spec!r}; expected NAME:KEY=VALUE,KEY=VALUE")
-        params[key.strip()] = parse_value(raw)
-    make(name.strip(), **params)  # fail early on an unknown method or parameter
-    return name.strip(), params
 
 
 def advise(model: str = "cnn", dataset: str = "fashion-mnist", *, netem: Optional[str] = None,
@@ -105,7 +96,7 @@ def advise(model: str = "cnn", dataset: str = "fashion-mnist", *, netem: Optiona
         raise ValueError("give either netem (measure an emulated link) or bandwidth (assume one), not both")
     if alpha is not None and bandwidth is None:
         raise ValueError("alpha goes with bandwidth; a measured link has its own")
-    specs = [parse_method(m) for m in (DEFAULT_METHODS if methods is None else methods)]
+    specs = [parse_spec(m) for m in (DEFAULT_METHODS if methods is None else methods)]
     if not any(name == "none" for name, _ in specs):
         specs.insert(0, ("none", {}))  # the dense baseline every speedup is relative to
 

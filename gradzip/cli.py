@@ -208,6 +208,8 @@ def bench_e2e(
     links: List[str] = typer.Option(["rate=100mbit", "rate=1gbit", "rate=10gbit", "unthrottled"], "--link"),
     workers: int = typer.Option(4, "--workers", "-n"),
     steps: int = typer.Option(150, help="training steps per contender (one 'epoch')"),
+    test_size: Optional[int] = typer.Option(None, help="test images to evaluate on (default: all 10,000)"),
+    only: Optional[str] = typer.Option(None, help="comma-separated contender labels to run (default: all)"),
     out: Optional[str] = typer.Option(None, help="also write the Markdown table here"),
     out_dir: str = "runs/bench-e2e",
 ):
@@ -215,7 +217,17 @@ def bench_e2e(
     gradzip's methods on emulated links (needs root for --link rate=...)."""
     from .bench import e2e
 
-    results = e2e.run(links=links, workers=workers, steps=steps, out_dir=out_dir, log=typer.echo)
+    contenders = e2e.CONTENDERS
+    if only:
+        wanted = [w.strip() for w in only.split(",") if w.strip()]
+        labels = [c[0] for c in contenders]
+        unknown = [w for w in wanted if w not in labels]
+        if unknown:
+            typer.echo(f"error: unknown contender(s) {', '.join(map(repr, unknown))}; valid: {', '.join(labels)}", err=True)
+            raise typer.Exit(2)
+        contenders = [c for c in contenders if c[0] in wanted]
+    results = e2e.run(links=links, workers=workers, steps=steps, out_dir=out_dir, contenders=contenders,
+                      test_size=test_size, log=typer.echo)
     e2e.save(results, f"{out_dir}/results.json")
     text = e2e.table(results, steps, workers)
     typer.echo(text)

@@ -36,8 +36,11 @@ def exchange(compressor: Compressor, g: torch.Tensor, ctx: TensorContext) -> Exc
         residual = ctx.get("residual")
         p = x if residual is None else x + residual
         result = yield from run(p, ctx)
-        # A tensor sent densely keeps no residual (it would be rounding noise at most).
-        ctx.set("residual", _minus_sent(p, result, own=residual is not None) if compressed else None)
+        # A tensor sent densely keeps no residual (it would be rounding noise at most).  Asking again
+        # after the exchange lets a method that decides within it (auto) drop the residual at once: it
+        # sent this step densely too.
+        keep = compressed and compressor.compresses(ctx)
+        ctx.set("residual", _minus_sent(p, result, own=residual is not None) if keep else None)
         return result
     if scheme == "momentum":
         return (yield from _momentum_corrected(compressor, x, ctx, run, compressed))

@@ -27,8 +27,14 @@ def register(ddp_model: DistributedDataParallel, compressor="none", *, group: "O
     """
     if not isinstance(ddp_model, DistributedDataParallel):
         raise ValueError(f"register() needs a DistributedDataParallel model, got {type(ddp_model).__name__}")
-    state = GradzipState(compressor, group=own_group(group), seed=seed, **params)
+    gradzip_group = own_group(group)
+    state = GradzipState(compressor, group=gradzip_group, seed=seed, **params)
     state.param_names = {p: name for name, p in ddp_model.module.named_parameters()}
+    # Buckets that are sent densely go through a plain allreduce on DDP's own group, which gradzip's
+    # thread never uses (two threads issuing collectives on one group could interleave them differently
+    # on different ranks).
+    ddp_group = getattr(ddp_model, "process_group", None)
+    state.dense_group = ddp_group if ddp_group is not None and ddp_group is not gradzip_group else None
     ddp_model.register_comm_hook(state, _comm_hook)
     guard_momentum(state, ddp_model.module.parameters())
     return state
@@ -38,6 +44,11 @@ def _comm_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures.Fu
     grads = bucket.gradients()
     named = [(state.param_names[p], g) for p, g in zip(bucket.parameters(), grads)]
     buffer = bucket.buffer()
+    if state.dense_group is not None and state.sends_dense(named):
+        state.record_dense(named)
+        world = dist.get_world_size(state.dense_group)
+        fut = dist.all_reduce(buffer, group=state.dense_group, async_op=True).get_future()
+        return fut.then(lambda f: f.value()[0].div_(world))
 
     def write_back(aggregates):
         for g, aggregate in zip(grads, aggregates):  # grads are views into the bucket's buffer

@@ -22,7 +22,8 @@ from .compressors.base import Compressor, TensorContext
 __all__ = ["GradzipState"]
 
 _COUNTERS = ("exchanges", "payload_bytes", "wire_bytes", "dense_bytes", "elements", "elements_sent",
-             "collectives", "compress_s", "communicate_s", "decompress_s", "nonfinite_exchanges")
+             "collectives", "compress_s", "communicate_s", "decompress_s", "nonfinite_exchanges",
+             "plain_allreduces")
 
 
 def _any_nonfinite(grads: Sequence[torch.Tensor]) -> bool:
@@ -96,6 +97,31 @@ class GradzipState:
                 self._commit(ctx)
         self._count(report, grads, results)
         return outputs
+
+    def sends_dense(self, named_grads: Sequence[tuple[str, torch.Tensor]]) -> bool:
+        """Whether this exchange would average every tensor densely in its own dtype and change no
+        state but the step counters (warm-up steps, tensors the method leaves alone, ``auto`` having
+        chosen dense).  An integration may then use a plain allreduce, which skips the fusion copies,
+        and call :meth:`record_dense`; the result is the same average."""
+        if self.compressor.feedback == "momentum":  # momentum accumulates even where nothing is compressed
+            return False
+        return all(not self.compressor.compresses(self.context(key, g)) and "residual" not in self.tensors.get(key, {})
+                   for key, g in named_grads)
+
+    def record_dense(self, named_grads: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Count an exchange that :meth:`sends_dense` allowed and the integration did itself."""
+        nbytes = sum(g.numel() * g.element_size() for _, g in named_grads)
+        elements = sum(g.numel() for _, g in named_grads)
+        t = self.totals
+        t["exchanges"] += 1
+        t["collectives"] += 1
+        t["plain_allreduces"] += 1
+        for counter in ("payload_bytes", "wire_bytes", "dense_bytes"):
+            t[counter] += nbytes
+        t["elements"] += elements
+        t["elements_sent"] += elements
+        for key, _ in named_grads:
+            self.steps[key] = self.steps.get(key, 0) + 1
 
     def _commit(self, ctx: TensorContext) -> None:
         slot = self.tensors.setdefault(ctx.key, {})

@@ -1,14 +1,12 @@
 """DistributedOptimizer and DDP-hook behaviour that needs no second process (or uses threads as workers)."""
 from __future__ import annotations
 
-import threading
 
 import pytest
 import torch
 from torch import nn
 
 import gradzip
-from gradzip.collectives import ThreadGroup
 from tests import workers
 from tests.distributed import run_workers
 
@@ -59,27 +57,6 @@ def test_world_size_one_applies_compression_and_feedback():
     assert stats["compress_s"] > 0 and stats["decompress_s"] > 0
 
 
-def _run_threads(world, fn):
-    group = ThreadGroup(world)
-    out = [None] * world
-    errors = []
-
-    def run(rank):
-        try:
-            out[rank] = fn(rank, group.transport(rank))
-        except BaseException as exc:  # surfaced in the test thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    if errors:
-        raise errors[0]
-    return out
-
-
 def test_backward_passes_per_step_averages_the_accumulated_sum():
     def work(rank, transport):
         model = _model()
@@ -93,7 +70,7 @@ def test_backward_passes_per_step_averages_the_accumulated_sum():
         opt.synchronize()
         return local, [p.grad.clone() for p in model.parameters()]
 
-    results = _run_threads(2, work)
+    results = workers.run_threads(2, work)
     for i in range(len(results[0][0])):
         expected = (results[0][0][i] + results[1][0][i]) / 2
         torch.testing.assert_close(results[0][1][i], expected)
@@ -112,7 +89,7 @@ def test_parameter_unused_on_one_rank_gets_the_average():
         opt.synchronize()
         return [p.grad.clone() for p in model.parameters()]
 
-    a, b = _run_threads(2, work)
+    a, b = workers.run_threads(2, work)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 

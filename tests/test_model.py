@@ -9,7 +9,8 @@ import torch.distributed as dist
 
 import gradzip
 from gradzip import model as cm
-from gradzip.advise import accuracy_risk, advise, parse_method
+from gradzip.advise import accuracy_risk, advise
+from gradzip.compressors import parse_spec
 from gradzip.compressors.base import TensorContext
 from gradzip.harness.data import DatasetInfo
 from gradzip.harness.models import build_model
@@ -194,14 +195,14 @@ def test_every_method_has_a_risk_rating():
     assert accuracy_risk("threshold", {"tau": 10.0}, density=1e-6)[0] == "high"
 
 
-def test_parse_method():
-    assert parse_method("topk:ratio=0.001,value_dtype=float16") == ("topk", {"ratio": 0.001, "value_dtype": "float16"})
-    assert parse_method("randomk:unbiased=true") == ("randomk", {"unbiased": True})
-    assert parse_method("none") == ("none", {})
+def test_parse_spec():
+    assert parse_spec("topk:ratio=0.001,value_dtype=float16") == ("topk", {"ratio": 0.001, "value_dtype": "float16"})
+    assert parse_spec("randomk:unbiased=true") == ("randomk", {"unbiased": True})
+    assert parse_spec("none") == ("none", {})
     with pytest.raises(ValueError):
-        parse_method("topk:ratio")
+        parse_spec("topk:ratio")
     with pytest.raises(ValueError):
-        parse_method("topk:rate=0.1")
+        parse_spec("topk:rate=0.1")
 
 
 def test_real_two_process_calibration_over_loopback():

@@ -17,6 +17,7 @@ TEST_PARAMS = {
     "powersgd": {"dense_steps": 2},
     "dgc": {"min_numel": 256, "warmup_epochs": 0, "ratio": 0.05},
     "threshold": {"tau": 0.01},
+    "auto": {"warmup": 0, "trials": 1},  # decides at step 4 (four candidates, one trial each)
 }
 
 
@@ -85,6 +86,28 @@ def train(rank, world, integration, name, steps, transport=None, delays=False):
 
 def train_every_method(rank, world, integration, steps, delays):
     return {name: train(rank, world, integration, name, steps, delays=delays) for name in gradzip.compressors()}
+
+
+def run_threads(world, fn, timeout: float = 60.0):
+    """``fn(rank, transport)`` for ``world`` workers as threads joined by a :class:`ThreadGroup`."""
+    group = ThreadGroup(world)
+    out = [None] * world
+    errors = []
+
+    def run(rank):
+        try:
+            out[rank] = fn(rank, group.transport(rank))
+        except BaseException as exc:  # surfaced in the test thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    if errors:
+        raise errors[0]
+    return out
 
 
 def simulate_training(world, name, steps):
@@ -225,3 +248,24 @@ def train_with_checkpoint(rank, world, name, steps, resume_from, ckpt_dir):
     if resume_from is None:
         torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "gradzip": state.state_dict()}, path)
     return _flat(model)
+
+
+def ddp_auto_against_plain_ddp(rank, world, steps):
+    """The same training with DDP's own allreduce and with auto restricted to dense (so after its
+    decision every bucket takes the plain-allreduce path); returns both parameter vectors and stats."""
+    out = []
+    for hooked in (False, True):
+        model = small_model()
+        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.004)
+        state = gradzip.register(ddp, "auto", candidates=["none"], warmup=1, trials=1) if hooked else None
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        plain = []  # plain allreduces per step
+        for step in range(steps):
+            x, y = batch(rank, step)
+            opt.zero_grad()
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+            if state:
+                plain.append(state.stats()["plain_allreduces"] - sum(plain))
+        out.append((_flat(model), plain))
+    return out

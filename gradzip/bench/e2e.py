@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Optional
 
@@ -28,6 +29,7 @@ CONTENDERS = [
     ("gradzip dgc 0.1%", None, "dgc", {"ratio": 0.001, "warmup_epochs": 0}),
     ("gradzip topk 1%", None, "topk", {"ratio": 0.01}),
     ("gradzip efsignsgd", None, "efsignsgd", {}),
+    ("gradzip auto", None, "auto", {}),
 ]
 
 
@@ -40,17 +42,29 @@ class Result:
     accuracy: Optional[float] = None
     mb_sent: Optional[float] = None
     error: Optional[str] = None
+    note: Optional[str] = None  # auto: which candidates it chose, over how many tensors
+
+
+def _choices_note(choices: dict) -> str:
+    counts = Counter(choices.values())
+    return ", ".join(f"{spec} x{n}" for spec, n in counts.most_common())
 
 
 def run(links=LINKS, workers: int = 4, steps: int = 150, batch_size: int = 32, lr: float = 0.01,
-        out_dir: str = "runs/bench-e2e", contenders=CONTENDERS, log=print) -> list[Result]:
+        out_dir: str = "runs/bench-e2e", contenders=CONTENDERS, test_size: Optional[int] = None,
+        log=print) -> list[Result]:
+    """Train every contender on every link; ``test_size`` None evaluates on the whole test set.
+
+    A contender that has not finished within 4x the first contender's (dense DDP's) time on that link,
+    or 2 minutes, is stopped and reported as crashed: a hung peer is a result, not a reason to wait.
+    """
     results = []
     for link in links:
-        for label, baseline, compressor, params in contenders:
+        timeout_s = max(300.0, 5.0 * steps)
+        for i, (label, baseline, compressor, params) in enumerate(contenders):
             config = TrainConfig(compressor=compressor, params=dict(params), baseline=baseline, workers=workers,
-                                 epochs=1, max_steps=steps, batch_size=batch_size, lr=lr, test_size=2000,
-                                 netem=None if link == "unthrottled" else link, out_dir=out_dir,
-                                 timeout_s=max(300.0, 5.0 * steps),  # a peer hang is reported, not waited out
+                                 epochs=1, max_steps=steps, batch_size=batch_size, lr=lr, test_size=test_size,
+                                 netem=None if link == "unthrottled" else link, out_dir=out_dir, timeout_s=timeout_s,
                                  name=f"{link.replace('=', '-')}-{label.replace(' ', '_')}", progress=False)
             start = time.perf_counter()
             try:
@@ -59,14 +73,18 @@ def run(links=LINKS, workers: int = 4, steps: int = 150, batch_size: int = 32, l
                 results.append(Result(link, label, error=str(exc).splitlines()[0][:200]))
                 log(f"{link:14s} {label:26s} CRASHED: {results[-1].error}")
                 continue
+            finally:
+                if i == 0:
+                    timeout_s = max(120.0, 4.0 * (time.perf_counter() - start))
             epoch = [json.loads(line) for line in open(f"{out_dir}/{config.name}/metrics.jsonl")
                      if '"kind": "epoch"' in line][-1]
             summary = json.load(open(f"{out_dir}/{config.name}/summary.json"))
             results.append(Result(link, label, epoch["train_s"], summary["mean_step_s"], epoch["test_accuracy"],
-                                  summary["total_bytes_sent"] / 2**20 if baseline is None else None))
+                                  summary["total_bytes_sent"] / 2**20 if baseline is None else None,
+                                  note=_choices_note(summary["choices"]) if "choices" in summary else None))
             r = results[-1]
             log(f"{link:14s} {label:26s} epoch {r.epoch_s:7.2f} s  step {1000 * r.step_s:7.1f} ms  "
-                f"acc {r.accuracy:.4f}  ({time.perf_counter() - start:.0f} s)")
+                f"acc {r.accuracy:.4f}  ({time.perf_counter() - start:.0f} s)" + (f"  [{r.note}]" if r.note else ""))
     return results
 
 
@@ -90,7 +108,46 @@ def table(results: list[Result], steps: int, workers: int) -> str:
             lines.append(f"| {r.label} | {r.epoch_s:.2f} | {1000 * r.step_s:.1f} | {r.accuracy:.4f} | {sent} | "
                          f"{speed} | {vs_limit} |")
         lines.append("")
-    return "\n".join(lines)
+        lines += [f"{r.label} chose: {r.note}" for r in rows if r.note] + [""]
+    return "\n".join(lines + targets(results))
+
+
+def _ok(passed: bool) -> str:
+    return "met" if passed else "NOT met"
+
+
+def targets(results: list[Result]) -> list[str]:
+    """The issue's targets, checked against this run's numbers (lines of Markdown)."""
+    lines = ["### Targets", ""]
+    by = {(r.link, r.label): r for r in results if r.error is None}
+    for link in dict.fromkeys(r.link for r in results):
+        dense, limit = by.get((link, "dense allreduce")), by.get((link, "no communication (limit)"))
+        fp16 = by.get((link, "torch fp16 hook"))
+        ours = [r for (lk, label), r in by.items() if lk == link and label.startswith("gradzip")]
+        if not dense or not ours:
+            continue
+        best = min(ours, key=lambda r: r.epoch_s)
+        speedup = dense.epoch_s / best.epoch_s
+        text = f"- {link}: fastest gradzip method {best.label}, {speedup:.2f}x dense"
+        if link == "rate=100mbit":
+            gap = 100 * (dense.accuracy - best.accuracy)
+            text += f" (5x: {_ok(speedup >= 5)})"
+            if fp16:
+                text += f", {fp16.epoch_s / best.epoch_s:.2f}x torch fp16 (2.5x: {_ok(fp16.epoch_s / best.epoch_s >= 2.5)})"
+            text += f", accuracy {gap:+.2f} points below dense (0.5: {_ok(gap <= 0.5)})"
+        elif link == "rate=1gbit" and limit:
+            text += (f" (1.4x: {_ok(speedup >= 1.4)}), {best.epoch_s / limit.epoch_s:.2f}x the limit "
+                     f"(1.15x: {_ok(best.epoch_s / limit.epoch_s <= 1.15)})")
+        auto = by.get((link, "gradzip auto"))
+        if auto:
+            text += f"; auto {auto.epoch_s / dense.epoch_s:.3f}x dense's epoch time, {auto.epoch_s / best.epoch_s:.2f}x the fastest"
+            if link == "unthrottled":
+                text += f" (at most 1.03x dense: {_ok(auto.epoch_s <= 1.03 * dense.epoch_s)})"
+        lines.append(text)
+    crashed = sorted({r.label for r in results if r.error and r.label.startswith("gradzip")})
+    lines.append(f"- every gradzip method completed on every link: {_ok(not crashed)}"
+                 + (f" ({', '.join(crashed)} did not)" if crashed else ""))
+    return lines
 
 
 def plot(results: list[Result], path: str) -> None:

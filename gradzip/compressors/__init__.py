@@ -49,6 +49,27 @@ def parse_value(raw: str):
         return raw
 
 
+def parse_spec(spec) -> tuple[str, dict]:
+    """``"topk:ratio=0.001,value_dtype=float16"`` -> ("topk", {"ratio": 0.001, "value_dtype": "float16"}).
+
+    A ``(name, params)`` tuple passes through.  The method and its parameters are checked at once.
+    """
+    if isinstance(spec, tuple):
+        name, params = spec
+        params = dict(params)
+    else:
+        name, _, rest = spec.partition(":")
+        params = {}
+        for item in filter(None, (p.strip() for p in rest.split(","))):
+            key, eq, raw = item.partition("=")
+            if not eq:
+                raise ValueError(f"bad method parameter {item!r} in {spec!r}; expected NAME:KEY=VALUE,KEY=VALUE")
+            params[key.strip()] = parse_value(raw)
+    name = name.strip()
+    make(name, **params)  # fail early on an unknown method or parameter
+    return name, params
+
+
 def make(name: str | Compressor, **params) -> Compressor:
     """Build the compressor ``name`` with ``params``; a ready :class:`Compressor` passes through."""
     if isinstance(name, Compressor):
@@ -65,6 +86,6 @@ def make(name: str | Compressor, **params) -> Compressor:
 
 
 # Importing the family modules registers their classes (order = listing order).
-from . import dense, sparse, quantize, sign, lowrank  # noqa: E402,F401
+from . import dense, sparse, quantize, sign, lowrank, auto  # noqa: E402,F401
 
-__all__ = ["Compressor", "register", "compressors", "compressor_class", "parameters_of", "make", "parse_value"]
+__all__ = ["Compressor", "register", "compressors", "compressor_class", "parameters_of", "make", "parse_value", "parse_spec"]

@@ -456,6 +456,8 @@ def _train(rank, world, config, device, torchrun):
                            elapsed + time.perf_counter() - t_start, world, global_step)
         steps_here = global_step - (start_epoch * steps_per_epoch + start_batch)
         summary.update({f"mean_{k}": v / steps_here for k, v in step_times.items()} if steps_here else {})
+        if hasattr(state.compressor, "choices"):  # auto: which candidate each tensor settled on
+            summary["choices"] = state.compressor.choices(state.tensors)
         (directory / "summary.json").write_text(json.dumps(summary, indent=2))
     if world > 1:
         dist.barrier()
