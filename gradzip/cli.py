@@ -207,7 +207,8 @@ app.add_typer(bench_app, name="bench", help="Benchmarks: kernels (compression co
 def bench_e2e(
     links: List[str] = typer.Option(["rate=100mbit", "rate=1gbit", "rate=10gbit", "unthrottled"], "--link"),
     workers: int = typer.Option(4, "--workers", "-n"),
-    steps: int = typer.Option(150, help="training steps per contender (one 'epoch')"),
+    steps: int = typer.Option(300, help="training steps per contender (one 'epoch')"),
+    lr: float = typer.Option(0.05, help="SGD learning rate (momentum 0.9)"),
     test_size: Optional[int] = typer.Option(None, help="test images to evaluate on (default: all 10,000)"),
     only: Optional[str] = typer.Option(None, help="comma-separated contender labels to run (default: all)"),
     out: Optional[str] = typer.Option(None, help="also write the Markdown table here"),
@@ -226,7 +227,7 @@ def bench_e2e(
             typer.echo(f"error: unknown contender(s) {', '.join(map(repr, unknown))}; valid: {', '.join(labels)}", err=True)
             raise typer.Exit(2)
         contenders = [c for c in contenders if c[0] in wanted]
-    results = e2e.run(links=links, workers=workers, steps=steps, out_dir=out_dir, contenders=contenders,
+    results = e2e.run(links=links, workers=workers, steps=steps, lr=lr, out_dir=out_dir, contenders=contenders,
                       test_size=test_size, log=typer.echo)
     e2e.save(results, f"{out_dir}/results.json")
     text = e2e.table(results, steps, workers)
