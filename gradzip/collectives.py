@@ -17,6 +17,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from multiprocessing import connection as mp_connection
 from typing import Generator, Optional, Sequence
 
 import torch
@@ -113,6 +114,30 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_for_workers(procs: Sequence, timeout: Optional[float]) -> bool:
+    """Wait for spawned worker processes; returns False if ``timeout`` seconds passed first.
+
+    As soon as one worker exits with an error the others are killed: they would wait forever in a
+    collective for their dead peer.  At the deadline every worker still running is killed too.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        running = list(procs)
+        while running:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not mp_connection.wait([p.sentinel for p in running], timeout=left) and deadline is not None:
+                return False
+            running = [p for p in running if p.exitcode is None]
+            if any(p.exitcode for p in procs):
+                break
+        return True
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
 
 
 def transport_for(group: Optional[dist.ProcessGroup] = None) -> Transport:

@@ -46,9 +46,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from multiprocessing import connection as mp_connection
 
-from .collectives import LocalTransport, free_port
+from .collectives import LocalTransport, free_port, wait_for_workers
 from .state import GradzipState
 
 __all__ = ["Link", "fit_link", "Collective", "RecordingTransport", "ddp_buckets", "MethodProfile",
@@ -506,8 +505,7 @@ def _entry(rank, world, address, port, namespace, out_dir, fn, args):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # as the trainer: workers share cores
         dist.init_process_group("gloo", rank=rank, world_size=world)
         result = fn(rank, world, *args)
-        if rank == 0:
-            torch.save(result, os.path.join(out_dir, "result.pt"))
+        torch.save(result, os.path.join(out_dir, f"result{rank}.pt"))
         dist.barrier()
         dist.destroy_process_group()
     except BaseException:
@@ -516,19 +514,23 @@ def _entry(rank, world, address, port, namespace, out_dir, fn, args):
         raise
 
 
-def run_workers(fn: Callable, workers: int, *args, netem: Optional[str] = None, timeout: float = 300.0):
-    """Run ``fn(rank, workers, *args)`` in ``workers`` spawned gloo processes and return rank 0's result.
+def run_workers(fn: Callable, workers: int, *args, netem: Optional[str] = None, timeout: float = 300.0,
+                every_rank: bool = False):
+    """Run ``fn(rank, workers, *args)`` in ``workers`` spawned gloo processes and return rank 0's result
+    (``every_rank``: the list of every rank's result).
 
     With ``netem`` (e.g. "rate=1gbit") every worker runs in its own network namespace of an
     :class:`~gradzip.netem.EmulatedCluster` (root); without, over loopback.  ``fn`` must be importable
     (a module-level function).  A failed or hung worker stops all of them and raises RuntimeError.
     """
     if netem is None:
-        return _spawn(fn, workers, args, None, timeout)
-    from .netem import EmulatedCluster, parse_netem
+        results = _spawn(fn, workers, args, None, timeout)
+    else:
+        from .netem import EmulatedCluster, parse_netem
 
-    with EmulatedCluster(workers, parse_netem(netem)) as cluster:
-        return _spawn(fn, workers, args, cluster, timeout)
+        with EmulatedCluster(workers, parse_netem(netem)) as cluster:
+            results = _spawn(fn, workers, args, cluster, timeout)
+    return results if every_rank else results[0]
 
 
 def _spawn(fn, workers, args, cluster, timeout):
@@ -541,25 +543,13 @@ def _spawn(fn, workers, args, cluster, timeout):
                  for r in range(workers)]
         for p in procs:
             p.start()
-        deadline = time.monotonic() + timeout
-        try:
-            running = list(procs)
-            while running and time.monotonic() < deadline:
-                mp_connection.wait([p.sentinel for p in running], timeout=deadline - time.monotonic())
-                running = [p for p in running if p.exitcode is None]
-                if any(p.exitcode for p in procs):
-                    break  # a dead worker leaves the others blocked in a collective
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                p.join()
+        finished = wait_for_workers(procs, timeout)
         # The first traceback written is the cause; the others are ranks that lost their peer.
         errors = sorted((os.path.join(out_dir, name) for name in os.listdir(out_dir) if name.startswith("error")),
                         key=os.path.getmtime)
         if errors:
             raise RuntimeError("a worker failed:\n" + open(errors[0]).read())
-        if any(p.exitcode != 0 for p in procs):
+        if not finished or any(p.exitcode != 0 for p in procs):
             raise RuntimeError(f"workers did not finish within {timeout:.0f} s "
                                f"(exit codes {[p.exitcode for p in procs]})")
-        return torch.load(os.path.join(out_dir, "result.pt"), weights_only=False)
+        return [torch.load(os.path.join(out_dir, f"result{r}.pt"), weights_only=False) for r in range(workers)]

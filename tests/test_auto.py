@@ -97,7 +97,7 @@ def test_decision_takes_each_candidates_fastest_rank_and_agrees():
     # Medians: rank 0 says none 1.0, fp16 0.3; rank 1 says none 0.8, fp16 0.9.  Min over ranks:
     # none 0.8, fp16 0.3 -> fp16 on both ranks, although rank 1 alone would have kept dense.
     assert _choice(_agree([[[1.0, 1.0], [0.3, 0.3]], [[0.8, 0.8], [0.9, 0.9]]])) == [1, 1]
-    # fp16 is faster, but not by the 10% margin: stay dense.
+    # fp16 is faster, but not by the 25% margin: stay dense.
     assert _choice(_agree([[[0.5, 0.5], [0.47, 0.47]], [[0.6, 0.6], [0.6, 0.6]]])) == [0, 0]
 
 

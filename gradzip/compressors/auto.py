@@ -45,7 +45,7 @@ class Auto(Compressor):
     deterministic = False  # the choice depends on measured times (but is identical on every rank)
 
     def __init__(self, candidates: Union[str, Sequence[str]] = DEFAULT_CANDIDATES, warmup: int = 1,
-                 trials: int = 2, drop: float = 2.0, margin: float = 0.1, feedback: Optional[str] = None):
+                 trials: int = 2, drop: float = 2.0, margin: float = 0.25, feedback: Optional[str] = None):
         super().__init__(feedback)
         if isinstance(candidates, str):
             candidates = [c for c in (part.strip() for part in candidates.split(";")) if c]

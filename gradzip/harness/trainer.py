@@ -22,12 +22,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from multiprocessing import connection as mp_connection
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 import gradzip
-from gradzip.collectives import free_port
+from gradzip.collectives import free_port, wait_for_workers
 
 from .data import load_dataset
 from .models import build_model
@@ -127,21 +126,8 @@ def _spawn(config: TrainConfig, cluster) -> dict:
              for r in range(config.workers)]
     for p in procs:
         p.start()
-    try:
-        running = list(procs)
-        deadline = None if config.timeout_s is None else time.monotonic() + config.timeout_s
-        while running:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not mp_connection.wait([p.sentinel for p in running], timeout=left) and deadline is not None:
-                raise TimeoutError(f"run {config.name} did not finish within {config.timeout_s:g} s (hung)")
-            running = [p for p in running if p.exitcode is None]
-            if any(p.exitcode for p in procs):
-                break  # a dead worker leaves the others blocked in a collective: stop them now
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join()
+    if not wait_for_workers(procs, config.timeout_s):
+        raise TimeoutError(f"run {config.name} did not finish within {config.timeout_s:g} s (hung)")
     failed = [r for r, p in enumerate(procs) if p.exitcode != 0]
     if failed:
         raise RuntimeError(f"worker(s) {failed} failed (exit codes {[procs[r].exitcode for r in failed]}); "
