@@ -62,6 +62,20 @@ def test_link_is_rate_limited_and_removed_afterwards():
 
 
 @needs_root
+def test_delay_is_applied_or_refused_clearly():
+    # Kernels without sch_netem (this project's CI machine) must refuse delay= with a clear error and
+    # leave nothing behind; kernels with it must delay: 20 ms on each host's egress, so a round trip
+    # between two hosts takes at least 40 ms.
+    try:
+        with EmulatedCluster(2, parse_netem("delay=20ms")) as cluster:
+            received, seconds = _send(cluster, 0, 1, 1)
+            assert received == 1 and seconds >= 0.038, f"round trip {1e3 * seconds:.1f} ms with 2 x 20 ms delay"
+    except RuntimeError as exc:
+        assert "need the kernel's netem qdisc (sch_netem)" in str(exc)
+    assert leftover_namespaces(os.getpid()) == []
+
+
+@needs_root
 def test_failure_while_inside_the_cluster_still_cleans_up():
     with pytest.raises(ZeroDivisionError):
         with EmulatedCluster(3, parse_netem("rate=1gbit")):
