@@ -8,9 +8,14 @@ rating from the literature (:func:`accuracy_risk`).
 from __future__ import annotations
 
 import math
+import os
 from typing import Callable, Iterable, Optional
 
+import torch
+import torch.distributed as dist
+
 from . import model as cost
+from .model import Link
 from .compressors import make, parse_spec
 
 __all__ = ["advise", "accuracy_risk", "format_advice", "DEFAULT_METHODS"]
@@ -74,28 +79,51 @@ def accuracy_risk(method: str, params: Optional[dict] = None, density: Optional[
     return (risk_ef, why_ef) if feedback else (risk, why)
 
 
+def torchrun_world_size() -> Optional[int]:
+    """The job's world size when this process was started by torchrun (or torch.distributed.run), else None."""
+    return int(os.environ["WORLD_SIZE"]) if "TORCHELASTIC_RUN_ID" in os.environ else None
+
+
+def _measure_this_cluster() -> tuple[Link, int]:
+    """(alpha and beta of the real links between this torchrun job's ranks, this rank)."""
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    try:
+        return cost.fit_link(cost.time_allreduces()), dist.get_rank()
+    finally:
+        if owned:
+            dist.destroy_process_group()
+
+
 def advise(model: str = "cnn", dataset: str = "fashion-mnist", *, netem: Optional[str] = None,
-           bandwidth: Optional[str] = None, alpha: Optional[float] = None, workers: int = 2,
+           bandwidth: Optional[str] = None, alpha: Optional[float] = None, workers: Optional[int] = None,
            methods: Optional[Iterable] = None, batch_size: int = 32, overlap: Optional[float] = None,
            bucket_cap_mb: float = 25.0, data_dir: Optional[str] = None,
            echo: Optional[Callable[[str], object]] = print) -> list[dict]:
     """Rank ``methods`` for training ``model`` on ``dataset`` with ``workers`` workers; returns the rows.
 
     The link: ``bandwidth`` (e.g. "1gbit"; alpha = ``alpha`` seconds or :data:`gradzip.model.DEFAULT_ALPHA`)
-    needs nothing; otherwise alpha and beta are fitted to allreduces between 2 local processes, over an
-    emulated ``netem`` link (e.g. "rate=100mbit", root) or over loopback.  Compute and codec times are
-    measured in this process.  ``overlap``: None overlaps each bucket's exchange with the rest of backward
+    needs nothing; under torchrun alpha and beta are fitted to allreduces between the job's ranks, i.e.
+    the real cluster's links (every rank must call this; rank 0 prints); otherwise between 2 local
+    processes, over an emulated ``netem`` link (e.g. "rate=100mbit", root) or over loopback.  ``workers``
+    defaults to the torchrun job's size, else 2.  Compute and codec times are measured in this process.  ``overlap``: None overlaps each bucket's exchange with the rest of backward
     from the measured moments its gradients are ready (the model's bucket timeline, as DDP does); a
     number is a fixed fraction of communication hidden (0: none).  Each row: label, method, params,
     step_s and its parts, speedup (vs the ``none`` method: dense DDP averaging), wire_bytes, risk, why.
     ``echo`` prints the table (None: quiet).
     """
+    cluster = torchrun_world_size()
+    if workers is None:
+        workers = cluster or 2
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
     if netem is not None and bandwidth is not None:
         raise ValueError("give either netem (measure an emulated link) or bandwidth (assume one), not both")
     if alpha is not None and bandwidth is None:
         raise ValueError("alpha goes with bandwidth; a measured link has its own")
+    if netem is not None and cluster is not None:
+        raise ValueError("netem emulates a local cluster; under torchrun advise measures the real links instead")
     specs = [parse_spec(m) for m in (DEFAULT_METHODS if methods is None else methods)]
     if not any(name == "none" for name, _ in specs):
         specs.insert(0, ("none", {}))  # the dense baseline every speedup is relative to
@@ -103,6 +131,11 @@ def advise(model: str = "cnn", dataset: str = "fashion-mnist", *, netem: Optiona
     compute = cost.measure_compute(model, dataset, batch_size=batch_size, data_dir=data_dir)
     if bandwidth is not None:
         link, source = cost.Link.from_rate(bandwidth, alpha), f"given {bandwidth}"
+    elif cluster is not None:
+        link, rank = _measure_this_cluster()
+        source = f"measured between the {cluster} ranks of this torchrun job"
+        if rank != 0:
+            echo = None
     else:
         link = cost.measure_link(2, netem)[0]
         source = f"measured on {netem}" if netem else "measured over loopback"

@@ -245,12 +245,16 @@ def advise(
     netem: Optional[str] = typer.Option(None, help='measure on an emulated link, e.g. "rate=1gbit" (root)'),
     bandwidth: Optional[str] = typer.Option(None, help='use this bandwidth instead of measuring, e.g. "1gbit"'),
     alpha_us: Optional[float] = typer.Option(None, help="per-message latency in microseconds (with --bandwidth)"),
-    workers: int = typer.Option(2, "--workers", "-n", help="number of workers to project for"),
+    workers: Optional[int] = typer.Option(None, "--workers", "-n",
+                                          help="number of workers to project for (default: the torchrun job's size, else 2)"),
     method: List[str] = typer.Option([], "--method", "-m", help='e.g. "topk:ratio=0.01" (repeatable)'),
     batch_size: int = 32,
     overlap: Optional[float] = typer.Option(None, help="fraction of communication hidden (default: DDP's bucket timeline)"),
 ):
-    """Measure compute, link and each method's overhead; rank methods by projected step time."""
+    """Measure compute, link and each method's overhead; rank methods by projected step time.
+
+    Under torchrun (`torchrun --nnodes ... -m gradzip advise`) it measures the real links between the
+    job's ranks; rank 0 prints the table."""
     from .advise import advise as run_advise
 
     try:

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -210,3 +212,20 @@ def test_real_two_process_calibration_over_loopback():
     assert len(points) == 3 and all(n == 2 and t > 0 and math.isfinite(t) for n, _, t in points)
     assert math.isfinite(link.alpha) and link.alpha >= 0
     assert math.isfinite(link.beta) and link.beta > 0
+
+
+def test_advise_under_torchrun_measures_the_jobs_own_links(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "gradzip",
+                          "advise", "--model", "mlp", "--dataset", "digits", "-m", "none", "-m", "fp16"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    # Rank 0 alone prints, and projects for the job's own size.
+    assert out.stdout.count("measured between the 2 ranks of this torchrun job") == 1, out.stdout
+    assert "2 workers" in out.stdout and out.stdout.count("step ms") == 1
+
+
+def test_advise_under_torchrun_refuses_an_emulated_link(monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="under torchrun advise measures the real links"):
+        advise("mlp", "digits", netem="rate=1gbit", echo=None)
