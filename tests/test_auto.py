@@ -60,7 +60,7 @@ def test_slow_link_chooses_a_compressed_candidate_on_every_rank():
     assert choices[0] == choices[1]
     assert choices[0]["w"] in ("powersgd", "topk")
     cost = states[0].tensors["w"]["auto_cost"]
-    assert cost[0] > 5 * cost.min()  # the measured dense cost really was the slow one
+    assert cost[0] > 2 * cost.min()  # the measured dense cost really was the slow one
 
 
 def test_latency_bound_link_stays_dense_and_leaves_the_bucket_to_a_plain_allreduce():
