@@ -99,6 +99,9 @@ def test_decision_takes_each_candidates_fastest_rank_and_agrees():
     assert _choice(_agree([[[1.0, 1.0], [0.3, 0.3]], [[0.8, 0.8], [0.9, 0.9]]])) == [1, 1]
     # fp16 is faster, but not by the 25% margin: stay dense.
     assert _choice(_agree([[[0.5, 0.5], [0.47, 0.47]], [[0.6, 0.6], [0.6, 0.6]]])) == [0, 0]
+    # fp16 is 4x faster but saves only 3 ms per step (< min_saving_ms = 5): stay dense.
+    assert _choice(_agree([[[0.004, 0.004], [0.001, 0.001]]] * 2)) == [0, 0]
+    assert _choice(_agree([[[0.010, 0.010], [0.001, 0.001]]] * 2)) == [1, 1]
 
 
 def test_rounds_drop_slow_candidates_and_stop_early():
@@ -130,6 +133,8 @@ def test_bad_parameters_are_clear_errors():
         gradzip.make("auto", margin=1.0)
     with pytest.raises(ValueError, match="drop must be a number >= 1"):
         gradzip.make("auto", drop=0.5)
+    with pytest.raises(ValueError, match="min_saving_ms must be a finite number >= 0"):
+        gradzip.make("auto", min_saving_ms=-1)
     with pytest.raises(ValueError, match="trials must be an integer >= 1"):
         gradzip.make("auto", trials=0)
     assert gradzip.make("auto", candidates="none; fp16").candidates == ("none", "fp16")

@@ -30,8 +30,9 @@ class Auto(Compressor):
     (the rank that waited least for its peers: its time is the codec plus the network, without the
     skew that every candidate suffers alike).  Candidates with ``cost_c > drop * min cost`` leave the
     race.  After ``trials`` rounds, or when one candidate is left, the tensor keeps ``argmin cost`` for
-    the rest of the run, unless that is not at least ``margin`` faster than ``none``: then it stays
-    dense.  Every rank computes these choices from the same reduced vector, so all ranks agree.  A tensor
+    the rest of the run, unless that is not at least ``margin`` faster than ``none`` and does not save
+    at least ``min_saving_ms`` per step: then it stays dense (a small bucket's gain is noise, and
+    leaving DDP's own allreduce costs more than it).  Every rank computes these choices from the same reduced vector, so all ranks agree.  A tensor
     that ends up dense is left to the integration's dense path (the DDP hook hands a bucket that is
     dense throughout to DDP's own allreduce), so auto costs nothing where compression does not pay.
 
@@ -46,7 +47,8 @@ class Auto(Compressor):
     deterministic = False  # the choice depends on measured times (but is identical on every rank)
 
     def __init__(self, candidates: Union[str, Sequence[str]] = DEFAULT_CANDIDATES, warmup: int = 1,
-                 trials: int = 2, drop: float = 2.0, margin: float = 0.25, feedback: Optional[str] = None):
+                 trials: int = 2, drop: float = 2.0, margin: float = 0.25, min_saving_ms: float = 5.0,
+                 feedback: Optional[str] = None):
         super().__init__(feedback)
         if isinstance(candidates, str):
             candidates = [c for c in (part.strip() for part in candidates.split(";")) if c]
@@ -60,6 +62,8 @@ class Auto(Compressor):
             raise ValueError(f"drop must be a number >= 1 (inf: never drop a candidate early), got {drop!r}")
         if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
             raise ValueError(f"margin must be a number with 0 <= margin < 1, got {margin!r}")
+        if isinstance(min_saving_ms, bool) or not isinstance(min_saving_ms, (int, float)) or not 0 <= min_saving_ms < math.inf:
+            raise ValueError(f"min_saving_ms must be a finite number >= 0, got {min_saving_ms!r}")
         built = []
         for spec in candidates:
             name, params = parse_spec(spec.partition(":")[0])  # an unknown method: the registry's error
@@ -77,6 +81,7 @@ class Auto(Compressor):
         self.trials = trials
         self.drop = float(drop)
         self.margin = float(margin)
+        self.min_saving_ms = float(min_saving_ms)
         self._built = built
         self._dense = NoCompression()
 
@@ -155,11 +160,11 @@ class Auto(Compressor):
             if row.numel():
                 median[c] = row.median()
         # max of -t over ranks is -(min over ranks); a candidate nobody measured stays at +inf.
-        cost = -(yield AllReduce(-median.float(), op="max")).double()
+        measured = -(yield AllReduce(-median.float(), op="max")).double()
         # A candidate that leaves this tensor dense (PowerSGD and a bias) is "none" under another name.
         eligible = torch.tensor([c.name == "none" or self._sends(i, ctx) for i, c in enumerate(self._built)])
         active = active & eligible
-        cost[~active] = math.inf
+        cost = torch.where(active, measured, math.inf)
         best = int(torch.argmin(cost))
         active = active & (cost <= self.drop * cost[best])
         rounds_done = int(torch.isfinite(times[best]).sum())
@@ -167,10 +172,12 @@ class Auto(Compressor):
             ctx.set("auto_active", active)
             return
         dense = next((i for i, c in enumerate(self._built) if c.name == "none"), None)
-        if dense is not None and not cost[best] < (1 - self.margin) * cost[dense]:
-            best = dense  # not clearly faster (or nothing measured): stay dense
+        if dense is not None:  # compared with dense's measured cost, even if it left the race
+            saving = measured[dense] - cost[best]
+            if not (cost[best] < (1 - self.margin) * measured[dense] and saving >= self.min_saving_ms / 1e3):
+                best = dense  # not clearly faster, too little to gain (or nothing measured): stay dense
         ctx.set("auto_choice", torch.tensor(best))
-        ctx.set("auto_cost", cost)
+        ctx.set("auto_cost", measured)
         ctx.set("auto_times", None)
         ctx.set("auto_active", None)
 
@@ -185,8 +192,8 @@ class Auto(Compressor):
         return (len(self._built) * 4 if agreed else 0) + method.payload_bytes(ctx, kept)
 
     def params(self) -> dict:
-        return {"candidates": self.candidates, "warmup": self.warmup, "trials": self.trials,
-                "drop": self.drop, "margin": self.margin, "feedback": self.feedback}
+        return {"candidates": self.candidates, "warmup": self.warmup, "trials": self.trials, "drop": self.drop,
+                "margin": self.margin, "min_saving_ms": self.min_saving_ms, "feedback": self.feedback}
 
 
 def _timed(gen):
