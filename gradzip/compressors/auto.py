@@ -20,21 +20,21 @@ class Auto(Compressor):
 
     After ``warmup`` dense steps, exploration runs in rounds: each round exchanges every tensor once with
     each candidate still in the race, one candidate per step.  Each tensor times its own exchange, from
-    its first request to its result (the requests of a bucket are fused, so that is the bucket's
-    exchange time under that candidate), plus the time of the candidate's own code once more: the
-    codec also takes the device from backward.  At the start of every later round every tensor allreduces its
-    per-candidate median times (max over negated values), i.e. takes
+    its first request to its result; the requests of a bucket are fused, so that is the bucket's
+    exchange time under that candidate.  At the start of every later round every tensor allreduces its
+    per-candidate fastest times (max over negated values), i.e. takes
 
-        cost_c = min over ranks of median_t time(c, t)
+        cost_c = min over ranks and trials of time(c)
 
-    (the rank that waited least for its peers: its time is the codec plus the network, without the
-    skew that every candidate suffers alike).  Candidates with ``cost_c > drop * min cost`` leave the
-    race.  After ``trials`` rounds, or when one candidate is left, the tensor keeps ``argmin cost`` for
-    the rest of the run, unless that is not at least ``margin`` faster than ``none`` and does not save
-    at least ``min_saving_ms`` per step: then it stays dense (a small bucket's gain is noise, and
-    leaving DDP's own allreduce costs more than it).  Every rank computes these choices from the same reduced vector, so all ranks agree.  A tensor
-    that ends up dense is left to the integration's dense path (the DDP hook hands a bucket that is
-    dense throughout to DDP's own allreduce), so auto costs nothing where compression does not pay.
+    (noise only adds time; and the rank that waited least for its peers measures the codec and the
+    network without the skew every candidate suffers alike).  Candidates with ``cost_c > drop * min
+    cost`` leave the race.  After ``trials`` rounds, or when one candidate is left, the tensor keeps
+    ``argmin cost`` for the rest of the run, unless that is not at least ``margin`` faster than
+    ``none`` and does not save at least ``min_saving_ms`` per step: then it stays dense (an exchange's
+    time does not show what the codec takes from backward, and a small bucket's gain is within noise).
+    Every rank computes these choices from the same reduced vector, so all ranks agree.  A tensor that
+    ends up dense is left to the integration's dense path (the DDP hook hands a bucket that is dense
+    throughout to DDP's own allreduce), so auto costs nothing where compression does not pay.
 
     ``candidates``: method specs ``"name:key=value,..."`` (a sequence, or one string separated by
     ``;``); they run under auto's ``feedback``, and the residual carries over when the candidate changes.
@@ -142,25 +142,19 @@ class Auto(Compressor):
         if stage != "explore":
             return (yield from self._run(index, x, ctx))
         start = time.perf_counter()
-        result, codec_s = yield from _timed(self._run(index, x, ctx))
+        result = yield from self._run(index, x, ctx)
         times = self._times(ctx).clone()
-        # The codec counts twice: once on the exchange's critical path, once for what it takes from the
-        # backward pass sharing the device (measured: without this, Top-k's 18% shorter exchange at
-        # 10 Gbit/s made whole steps 7% slower than dense).
-        times[index, int(torch.isfinite(times[index]).sum())] = time.perf_counter() - start + codec_s
+        times[index, int(torch.isfinite(times[index]).sum())] = time.perf_counter() - start
         ctx.set("auto_times", times)
         return result
 
     def _agree(self, ctx):
-        """One allreduce of the median times: drop slow candidates, or decide."""
+        """One allreduce of the fastest times: drop slow candidates, or decide."""
         times, active = self._times(ctx), self._active(ctx)
-        median = torch.full((len(self._built),), math.inf, dtype=torch.float64)
-        for c, row in enumerate(times):
-            row = row[torch.isfinite(row)]
-            if row.numel():
-                median[c] = row.median()
+        # Noise on a shared machine only ever adds time, so the fastest trial is the estimate (as timeit).
+        fastest = times.min(dim=1).values  # inf where a candidate was never measured
         # max of -t over ranks is -(min over ranks); a candidate nobody measured stays at +inf.
-        measured = -(yield AllReduce(-median.float(), op="max")).double()
+        measured = -(yield AllReduce(-fastest.float(), op="max")).double()
         # A candidate that leaves this tensor dense (PowerSGD and a bias) is "none" under another name.
         eligible = torch.tensor([c.name == "none" or self._sends(i, ctx) for i, c in enumerate(self._built)])
         active = active & eligible
@@ -195,16 +189,3 @@ class Auto(Compressor):
         return {"candidates": self.candidates, "warmup": self.warmup, "trials": self.trials, "drop": self.drop,
                 "margin": self.margin, "min_saving_ms": self.min_saving_ms, "feedback": self.feedback}
 
-
-def _timed(gen):
-    """Drive an exchange generator, passing its requests on; returns (its result, seconds spent in its
-    own code, i.e. compressing and decoding, without the waits for collectives)."""
-    spent, reply = 0.0, None
-    while True:
-        start = time.perf_counter()
-        try:
-            request = gen.send(reply)
-        except StopIteration as stop:
-            return stop.value, spent + time.perf_counter() - start
-        spent += time.perf_counter() - start
-        reply = yield request
