@@ -69,10 +69,10 @@ class GradzipState:
         """Advance epoch-driven schedules (DGC's warm-up).  Call it with the same value on every rank."""
         self.epoch = int(epoch)
 
-    def context(self, key: str, grad: torch.Tensor) -> TensorContext:
+    def context(self, key: str, grad: torch.Tensor, exchange: Optional[dict] = None) -> TensorContext:
         return TensorContext(key=key, shape=grad.shape, dtype=grad.dtype, step=self.steps.get(key, 0),
                              epoch=self.epoch, rank=self.rank, world_size=self.world_size, seed=self.seed,
-                             state=self.tensors.get(key, {}))
+                             state=self.tensors.get(key, {}), exchange={} if exchange is None else exchange)
 
     def exchange(self, named_grads: Sequence[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
         """Compress, exchange and aggregate these gradients; returns one aggregate per input.
@@ -81,7 +81,8 @@ class GradzipState:
         holds NaN or Inf, every rank gets all-NaN aggregates for this call and no state changes, so
         ``torch.amp.GradScaler`` (or any finiteness check) skips the step identically everywhere.
         """
-        contexts = [self.context(key, g) for key, g in named_grads]
+        shared: dict = {}
+        contexts = [self.context(key, g, shared) for key, g in named_grads]
         grads = [g for _, g in named_grads]
         nonfinite = _any_nonfinite(grads)
         if nonfinite:

@@ -148,3 +148,16 @@ def test_ddp_hook_sends_dense_buckets_through_a_plain_allreduce():
         # auto itself); from step 3 on every bucket goes through the plain allreduce.
         assert [n > 0 for n in plain_per_step] == [True, False, False, True, True, True]
     assert torch.equal(results[0][1][0], results[1][1][0])
+
+
+def test_tensors_of_one_bucket_record_one_time():
+    # A big and a tiny tensor in one exchange: each records the bucket's whole exchange time, so their
+    # costs are identical (without this the tiny one, finishing first, saw only part of it).
+    state = gradzip.GradzipState("auto", warmup=0, trials=1)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(5):
+        state.exchange([("big", torch.randn(300, 300, generator=gen)), ("small", torch.randn(7, generator=gen))])
+        if step < 4:
+            big, small = state.tensors["big"]["auto_times"], state.tensors["small"]["auto_times"]
+            assert torch.equal(big, small) and torch.isfinite(big).sum() == step + 1
+    assert torch.equal(state.tensors["big"]["auto_cost"], state.tensors["small"]["auto_cost"])

@@ -20,8 +20,9 @@ class Auto(Compressor):
 
     After ``warmup`` dense steps, exploration runs in rounds: each round exchanges every tensor once with
     each candidate still in the race, one candidate per step.  Each tensor times its own exchange, from
-    its first request to its result; the requests of a bucket are fused, so that is the bucket's
-    exchange time under that candidate.  At the start of every later round every tensor allreduces its
+    the moment the bucket's exchange started to the moment the bucket's last tensor got its result (the
+    requests of a bucket are fused): the bucket's exchange time under that candidate, shared by its
+    tensors.  At the start of every later round every tensor allreduces its
     per-candidate fastest times (max over negated values), i.e. takes
 
         cost_c = min over ranks and trials of time(c)
@@ -141,11 +142,15 @@ class Auto(Compressor):
             stage, index = self._stage(ctx)
         if stage != "explore":
             return (yield from self._run(index, x, ctx))
-        start = time.perf_counter()
+        start = ctx.exchange.setdefault("auto_start", time.perf_counter())  # the bucket's first tensor
         result = yield from self._run(index, x, ctx)
-        times = self._times(ctx).clone()
-        times[index, int(torch.isfinite(times[index]).sum())] = time.perf_counter() - start
-        ctx.set("auto_times", times)
+        # Tensors of one bucket with the same history share one record, and the last of them to finish
+        # writes the bucket's whole exchange time into it: they then see the same costs and choose alike.
+        times = self._times(ctx)
+        slot = int(torch.isfinite(times[index]).sum())
+        record = ctx.exchange.setdefault(("auto_times", tuple(times.reshape(-1).tolist())), times.clone())
+        record[index, slot] = time.perf_counter() - start
+        ctx.set("auto_times", record)
         return result
 
     def _agree(self, ctx):

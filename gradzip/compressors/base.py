@@ -142,6 +142,8 @@ class TensorContext:
     seed: int = 0
     state: dict = field(default_factory=dict)
     updates: dict = field(default_factory=dict)
+    #: Scratch shared by every tensor of one exchange (one bucket), for this exchange only.
+    exchange: dict = field(default_factory=dict)
 
     def get(self, name: str, default: Any = None) -> Any:
         return self.updates.get(name, self.state.get(name, default))
