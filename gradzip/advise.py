@@ -107,7 +107,8 @@ def advise(model: str = "cnn", dataset: str = "fashion-mnist", *, netem: Optiona
     needs nothing; under torchrun alpha and beta are fitted to allreduces between the job's ranks, i.e.
     the real cluster's links (every rank must call this; rank 0 prints); otherwise between 2 local
     processes, over an emulated ``netem`` link (e.g. "rate=100mbit", root) or over loopback.  ``workers``
-    defaults to the torchrun job's size, else 2.  Compute and codec times are measured in this process.  ``overlap``: None overlaps each bucket's exchange with the rest of backward
+    defaults to the torchrun job's size, else 2.  Compute and codec times are measured in this process.
+    ``overlap``: None overlaps each bucket's exchange with the rest of backward
     from the measured moments its gradients are ready (the model's bucket timeline, as DDP does); a
     number is a fixed fraction of communication hidden (0: none).  Each row: label, method, params,
     step_s and its parts, speedup (vs the ``none`` method: dense DDP averaging), wire_bytes, risk, why.

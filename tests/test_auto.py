@@ -1,7 +1,6 @@
 """``auto``: timed trials choose the fastest candidate per bucket, identically on every rank."""
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
@@ -14,23 +13,15 @@ from tests import workers
 from tests.distributed import run_workers
 
 
-class EmulatedLink(Transport):
+class EmulatedLink(workers.DelayedTransport):
     """Sleeps ``latency_s + bytes * s_per_byte`` before each collective: a link of known speed."""
 
     def __init__(self, inner: Transport, latency_s: float, s_per_byte: float):
         self.inner, self.rank, self.world_size = inner, inner.rank, inner.world_size
         self.latency_s, self.s_per_byte = latency_s, s_per_byte
 
-    def _wait(self, flat):
-        time.sleep(self.latency_s + flat.numel() * flat.element_size() * self.s_per_byte)
-
-    def allreduce(self, flat, op):
-        self._wait(flat)
-        return self.inner.allreduce(flat, op)
-
-    def allgather(self, flat):
-        self._wait(flat)
-        return self.inner.allgather(flat)
+    def delay_s(self, flat) -> float:
+        return self.latency_s + flat.numel() * flat.element_size() * self.s_per_byte
 
 
 def _train_on_link(latency_s, s_per_byte, candidates=None, steps=6):

@@ -34,12 +34,15 @@ class DelayedTransport(Transport):
         self.rng = random.Random(seed)
         self.max_s = max_ms / 1000
 
+    def delay_s(self, flat) -> float:
+        return self.rng.random() * self.max_s
+
     def allreduce(self, flat, op):
-        time.sleep(self.rng.random() * self.max_s)
+        time.sleep(self.delay_s(flat))
         return self.inner.allreduce(flat, op)
 
     def allgather(self, flat):
-        time.sleep(self.rng.random() * self.max_s)
+        time.sleep(self.delay_s(flat))
         return self.inner.allgather(flat)
 
 

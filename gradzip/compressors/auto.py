@@ -7,7 +7,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from . import make, parse_spec, register
+from . import compressor_class, make, parse_spec, register
 from .base import AllReduce, Compressor, TensorContext
 from .dense import NoCompression
 
@@ -67,8 +67,7 @@ class Auto(Compressor):
             raise ValueError(f"min_saving_ms must be a finite number >= 0, got {min_saving_ms!r}")
         built = []
         for spec in candidates:
-            name, params = parse_spec(spec.partition(":")[0])  # an unknown method: the registry's error
-            if name == self.name:
+            if compressor_class(spec.partition(":")[0].strip()) is type(self):  # unknown: the registry's error
                 raise ValueError("auto cannot be its own candidate")
             try:
                 name, params = parse_spec(spec)
@@ -183,10 +182,12 @@ class Auto(Compressor):
     def payload_bytes(self, ctx, kept=None):
         # Called after the exchange, so a decision or a new round taken in it is already staged.
         agreed = "auto_cost" in ctx.updates or "auto_active" in ctx.updates
-        stage, index = self._stage(ctx)
-        if ctx.updates.get("auto_times") is not None:  # explored: the candidate whose count went up
-            before = torch.isfinite(self._times(TensorContext(ctx.key, ctx.shape, ctx.dtype, state=ctx.state))).sum(1)
-            index = int(torch.nonzero(torch.isfinite(ctx.updates["auto_times"]).sum(1) > before)[0])
+        _, index = self._stage(ctx)
+        explored = ctx.updates.get("auto_times")
+        if explored is not None:  # the candidate whose count of trials went up
+            committed = ctx.state.get("auto_times")
+            before = 0 if committed is None else torch.isfinite(committed).sum(1)
+            index = int(torch.nonzero(torch.isfinite(explored).sum(1) > before)[0])
         method = self._built[index] if self._sends(index, ctx) else self._dense
         return (len(self._built) * 4 if agreed else 0) + method.payload_bytes(ctx, kept)
 
