@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -56,6 +57,8 @@ class GradzipState:
         self.last_report = None
         self._worker: Optional[threading.Thread] = None
         self._jobs: "queue.Queue" = queue.Queue()
+        self._starts: dict[str, float] = {}  # clock of each tensor's latest exchange start (not saved)
+        self._periods: dict[str, tuple] = {}
 
     @property
     def rank(self) -> int:
@@ -72,7 +75,17 @@ class GradzipState:
     def context(self, key: str, grad: torch.Tensor, exchange: Optional[dict] = None) -> TensorContext:
         return TensorContext(key=key, shape=grad.shape, dtype=grad.dtype, step=self.steps.get(key, 0),
                              epoch=self.epoch, rank=self.rank, world_size=self.world_size, seed=self.seed,
-                             state=self.tensors.get(key, {}), exchange={} if exchange is None else exchange)
+                             state=self.tensors.get(key, {}), exchange={} if exchange is None else exchange,
+                             periods=self._periods.get(key, ()))
+
+    def _clock(self, keys) -> None:
+        """Note that these tensors' exchange starts now: the time since the last start is a step's."""
+        now = time.perf_counter()
+        for key in keys:
+            last = self._starts.get(key)
+            if last is not None:
+                self._periods[key] = (self._periods.get(key, ()) + (now - last,))[-3:]
+            self._starts[key] = now
 
     def exchange(self, named_grads: Sequence[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
         """Compress, exchange and aggregate these gradients; returns one aggregate per input.
@@ -81,6 +94,7 @@ class GradzipState:
         holds NaN or Inf, every rank gets all-NaN aggregates for this call and no state changes, so
         ``torch.amp.GradScaler`` (or any finiteness check) skips the step identically everywhere.
         """
+        self._clock(key for key, _ in named_grads)
         shared: dict = {}
         contexts = [self.context(key, g, shared) for key, g in named_grads]
         grads = [g for _, g in named_grads]
@@ -111,6 +125,7 @@ class GradzipState:
 
     def record_dense(self, named_grads: Sequence[tuple[str, torch.Tensor]]) -> None:
         """Count an exchange that :meth:`sends_dense` allowed and the integration did itself."""
+        self._clock(key for key, _ in named_grads)
         nbytes = sum(g.numel() * g.element_size() for _, g in named_grads)
         elements = sum(g.numel() for _, g in named_grads)
         t = self.totals

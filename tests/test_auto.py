@@ -13,25 +13,14 @@ from tests import workers
 from tests.distributed import run_workers
 
 
-class EmulatedLink(workers.DelayedTransport):
-    """Sleeps ``latency_s + bytes * s_per_byte`` before each collective: a link of known speed."""
-
-    def __init__(self, inner: Transport, latency_s: float, s_per_byte: float):
-        self.inner, self.rank, self.world_size = inner, inner.rank, inner.world_size
-        self.latency_s, self.s_per_byte = latency_s, s_per_byte
-
-    def delay_s(self, flat) -> float:
-        return self.latency_s + flat.numel() * flat.element_size() * self.s_per_byte
-
-
 def _train_on_link(latency_s, s_per_byte, candidates=None, steps=6):
     """Two thread workers exchanging a 512x512 weight and its bias; returns each rank's state."""
-    params = {"warmup": 0, "trials": 1}
+    params = {"warmup": 0, "trials": 1, "verify": 1}
     if candidates is not None:
         params["candidates"] = candidates
 
     def work(rank, transport):
-        state = gradzip.GradzipState("auto", transport=EmulatedLink(transport, latency_s, s_per_byte), **params)
+        state = gradzip.GradzipState("auto", transport=workers.EmulatedLink(transport, latency_s, s_per_byte), **params)
         gen = torch.Generator().manual_seed(rank)
         for _ in range(steps):
             state.exchange([("w", torch.randn(512, 512, generator=gen)), ("b", torch.randn(512, generator=gen))])
@@ -46,12 +35,14 @@ def _choices(state):
 
 def test_slow_link_chooses_a_compressed_candidate_on_every_rank():
     # 50 MB/s: the dense 1 MB weight takes 20 ms, PowerSGD's and Top-k's payloads well under 1 ms.
-    states = _train_on_link(0.0, 20e-9)
+    states = _train_on_link(0.0, 20e-9, steps=10)
     choices = [_choices(s) for s in states]
     assert choices[0] == choices[1]
     assert choices[0]["w"] in ("powersgd", "topk")
     cost = states[0].tensors["w"]["auto_cost"]
     assert cost[0] > 2 * cost.min()  # the measured dense cost really was the slow one
+    plan_s, dense_s = states[0].tensors["w"]["auto_step_cost"].tolist()
+    assert plan_s < 0.95 * dense_s  # and whole steps were faster with it
 
 
 def test_latency_bound_link_stays_dense_and_leaves_the_bucket_to_a_plain_allreduce():
@@ -65,14 +56,16 @@ def test_latency_bound_link_stays_dense_and_leaves_the_bucket_to_a_plain_allredu
         assert state.sends_dense(named)
 
 
-def _agree(per_rank_times, candidates=("none", "fp16"), trials=2):
-    """Run the step that starts a new round on two ranks with the given measured times; returns each
-    rank's staged updates."""
-    compressor = gradzip.make("auto", candidates=list(candidates), warmup=0, trials=trials)
+def _agree(per_rank_state, position, candidates=("none", "fp16"), trials=2, periods=(), **params):
+    """Run one step of one tensor on two ranks, ``position`` steps after its exploration began, from
+    the given per-rank state; returns each rank's staged updates."""
+    compressor = gradzip.make("auto", candidates=list(candidates), warmup=0, trials=trials, **params)
     gens, contexts = [], []
-    for rank, times in enumerate(per_rank_times):
-        ctx = TensorContext("w", torch.Size([8, 8]), torch.float32, step=9, rank=rank, world_size=2,
-                            state={"auto_times": torch.tensor(times, dtype=torch.float64)})
+    for rank, state in enumerate(per_rank_state):
+        state = {k: torch.tensor(v, dtype=torch.bool if k == "auto_active" else torch.float64)
+                 for k, v in state.items()}
+        ctx = TensorContext("w", torch.Size([8, 8]), torch.float32, step=20, rank=rank, world_size=2,
+                            state={**state, "auto_begin": torch.tensor(20 - position)}, periods=periods)
         gens.append([feedback.exchange(compressor, torch.randn(8, 8), ctx)])
         contexts.append(ctx)
     outs = simulate(gens)
@@ -80,33 +73,89 @@ def _agree(per_rank_times, candidates=("none", "fp16"), trials=2):
     return [ctx.updates for ctx in contexts]
 
 
-def _choice(updates):
-    return [None if u.get("auto_choice") is None else int(u["auto_choice"]) for u in updates]
+def _plan(per_rank_times, candidates=("none", "fp16"), trials=2):
+    """The plan each rank takes at the end of exploration from these measured times."""
+    updates = _agree([{"auto_times": t} for t in per_rank_times], trials * len(candidates), candidates, trials)
+    return [int(u["auto_choice"]) if "auto_choice" in u else int(u["auto_plan"]) for u in updates]
 
 
-def test_decision_takes_each_candidates_fastest_rank_and_agrees():
-    # Medians: rank 0 says none 1.0, fp16 0.3; rank 1 says none 0.8, fp16 0.9.  Min over ranks:
-    # none 0.8, fp16 0.3 -> fp16 on both ranks, although rank 1 alone would have kept dense.
-    assert _choice(_agree([[[1.0, 1.0], [0.3, 0.3]], [[0.8, 0.8], [0.9, 0.9]]])) == [1, 1]
+def test_plan_takes_each_candidates_fastest_rank_and_agrees():
+    # Rank 0 says none 1.0, fp16 0.3; rank 1 says none 0.8, fp16 0.9.  Min over ranks: none 0.8,
+    # fp16 0.3 -> fp16 on both ranks, although rank 1 alone would have kept dense.
+    assert _plan([[[1.0, 1.0], [0.3, 0.3]], [[0.8, 0.8], [0.9, 0.9]]]) == [1, 1]
     # fp16 is faster, but not by the 25% margin: stay dense.
-    assert _choice(_agree([[[0.5, 0.5], [0.47, 0.47]], [[0.6, 0.6], [0.6, 0.6]]])) == [0, 0]
+    assert _plan([[[0.5, 0.5], [0.47, 0.47]], [[0.6, 0.6], [0.6, 0.6]]]) == [0, 0]
     # fp16 is 4x faster but saves only 3 ms per step (< min_saving_ms = 5): stay dense.
-    assert _choice(_agree([[[0.004, 0.004], [0.001, 0.001]]] * 2)) == [0, 0]
-    assert _choice(_agree([[[0.010, 0.010], [0.001, 0.001]]] * 2)) == [1, 1]
+    assert _plan([[[0.004, 0.004], [0.001, 0.001]]] * 2) == [0, 0]
+    assert _plan([[[0.010, 0.010], [0.001, 0.001]]] * 2) == [1, 1]
 
 
-def test_rounds_drop_slow_candidates_and_stop_early():
+def test_a_compressing_plan_is_verified_and_a_dense_one_is_final():
+    times = [[[1.0, 1.0], [0.3, 0.3]]] * 2
+    for updates in _agree([{"auto_times": times[0]}] * 2, 4):
+        assert int(updates["auto_plan"]) == 1 and "auto_choice" not in updates
+        assert updates["auto_steps"].shape == (2, 2) and not torch.isfinite(updates["auto_steps"]).any()
+        assert updates["auto_times"] is None  # exploration's records are dropped
+    dense = [[[0.5, 0.5], [0.47, 0.47]]] * 2
+    assert all(int(u["auto_choice"]) == 0 and "auto_plan" not in u for u in _agree([{"auto_times": dense[0]}] * 2, 4))
+    # Without verification the plan is final at once.
+    assert all(int(u["auto_choice"]) == 1 for u in _agree([{"auto_times": times[0]}] * 2, 4, verify=0))
+
+
+def test_rounds_drop_slow_candidates_and_their_turns_run_the_cheapest():
     inf = float("inf")
     three = ("none", "fp16", "topk:ratio=0.01")
-    # After round one of two: none 1.0 and fp16 0.9 are more than twice topk's 0.3: topk is chosen now.
-    early = _agree([[[1.0, inf], [0.9, inf], [0.3, inf]], [[1.1, inf], [1.0, inf], [0.4, inf]]], three)
-    assert _choice(early) == [2, 2]
-    # none 1.2 is dropped, fp16 0.6 and topk 0.5 race on: no choice yet, and this same step runs fp16's
-    # second trial.
-    race = _agree([[[1.2, inf], [0.6, inf], [0.5, inf]]] * 2, three)
+    # After round one of two: none 1.0 and fp16 0.9 are more than twice topk's 0.3: both leave the race.
+    # This step is none's turn: topk stands in, untimed, so every bucket keeps one schedule.
+    early = _agree([{"auto_times": [[1.0, inf], [0.9, inf], [0.3, inf]]},
+                    {"auto_times": [[1.1, inf], [1.0, inf], [0.4, inf]]}], 3, three)
+    for updates in early:
+        assert updates["auto_active"].tolist() == [False, False, True] and "auto_choice" not in updates
+        assert "auto_times" not in updates
+    # none 1.2 is dropped, fp16 0.6 and topk 0.5 race on.
+    race = _agree([{"auto_times": [[1.2, inf], [0.6, inf], [0.5, inf]]}] * 2, 3, three)
     for updates in race:
-        assert updates["auto_active"].tolist() == [False, True, True] and "auto_choice" not in updates
+        assert updates["auto_active"].tolist() == [False, True, True]
+    # The next step is fp16's turn, and it is timed.
+    nxt = _agree([{"auto_times": [[1.2, inf], [0.6, inf], [0.5, inf]], "auto_active": [False, True, True],
+                   "auto_cost": [1.2, 0.6, 0.5]}] * 2, 4, three)
+    for updates in nxt:
         assert torch.isfinite(updates["auto_times"]).sum(dim=1).tolist() == [1, 2, 1]
+
+
+def _verified(per_rank_steps, periods, **params):
+    """The final choice after one verification (plan fp16 over dense) from per-rank step times."""
+    state = [{"auto_plan": 1, "auto_steps": steps, "auto_cost": [1.0, 0.3]} for steps in per_rank_steps]
+    updates = _agree(state, 4 + 5, verify=1, periods=periods, **params)
+    return [int(u["auto_choice"]) for u in updates], updates[0]["auto_step_cost"].tolist()
+
+
+def test_verification_keeps_a_plan_only_if_whole_steps_are_faster():
+    inf = float("inf")
+    # The dense step is read from the clock now: periods[-2], the 2nd to 3rd dense step (0.100 s).
+    choice, cost = _verified([[[0.080], [inf]]] * 2, periods=(0.1, 0.1, 0.2))
+    assert choice == [1, 1] and cost == pytest.approx([0.080, 0.1])  # exchanged as float32
+    # Less than step_margin (5%) faster: dense.
+    assert _verified([[[0.098], [inf]]] * 2, periods=(0.1, 0.1, 0.2))[0] == [0, 0]
+    assert _verified([[[0.098], [inf]]] * 2, periods=(0.1, 0.1, 0.2), step_margin=0.0)[0] == [1, 1]
+    # Min over ranks and repetitions on both arms, so both ranks agree.
+    choice, cost = _verified([[[0.12], [inf]], [[0.093], [inf]]], periods=(0.1, 0.1, 0.2))
+    assert choice == [1, 1] and cost == pytest.approx([0.093, 0.1])
+    # No clock (a resumed run lost it): the dense arm is unmeasured, and the plan stands.
+    assert _verified([[[0.2], [inf]]] * 2, periods=())[0] == [1, 1]
+
+
+def test_verification_on_a_real_slow_link_keeps_the_plan_unless_it_slows_the_step():
+    # Two processes over gloo, every exchange through an emulated 25 MB/s link.  Exploration picks
+    # Top-k (a 1 ms exchange against 21 ms dense) both times; the step clock then decides.
+    for busy_s, expected in ((0.0, "topk:ratio=0.01"), (0.06, "none")):
+        results = run_workers(workers.auto_on_a_slow_link, 2, 9, busy_s)
+        params, choices, costs, residual = results[0]
+        assert set(choices.values()) == {expected}, (busy_s, choices, costs)
+        assert all(torch.equal(r[0], params) and r[1] == choices for r in results[1:])
+        plan_s, dense_s = costs["0.weight"].tolist()
+        assert (plan_s < dense_s) == (expected != "none")
+        assert residual == (expected != "none")  # a dense choice leaves no residual behind
 
 
 def test_bad_parameters_are_clear_errors():
@@ -122,6 +171,10 @@ def test_bad_parameters_are_clear_errors():
         gradzip.make("auto", candidates=["none", "topk:ratio=2"])
     with pytest.raises(ValueError, match="margin must be"):
         gradzip.make("auto", margin=1.0)
+    with pytest.raises(ValueError, match="step_margin must be a number with 0 <= step_margin < 1"):
+        gradzip.make("auto", step_margin=-0.1)
+    with pytest.raises(ValueError, match="verify must be an integer >= 0"):
+        gradzip.make("auto", verify=1.5)
     with pytest.raises(ValueError, match="drop must be a number >= 1"):
         gradzip.make("auto", drop=0.5)
     with pytest.raises(ValueError, match="min_saving_ms must be a finite number >= 0"):

@@ -17,7 +17,8 @@ TEST_PARAMS = {
     "powersgd": {"dense_steps": 2},
     "dgc": {"min_numel": 256, "warmup_epochs": 0, "ratio": 0.05},
     "threshold": {"tau": 0.01},
-    "auto": {"warmup": 0, "trials": 1},  # decides at step 4 (four candidates, one trial each)
+    # Four candidates, one trial each: plan at step 4, plan steps 4-5, dense steps 6-8, decision at step 9.
+    "auto": {"warmup": 0, "trials": 1, "verify": 1},
 }
 
 
@@ -44,6 +45,17 @@ class DelayedTransport(Transport):
     def allgather(self, flat):
         time.sleep(self.delay_s(flat))
         return self.inner.allgather(flat)
+
+
+class EmulatedLink(DelayedTransport):
+    """Sleeps ``latency_s + bytes * s_per_byte`` before each collective: a link of known speed."""
+
+    def __init__(self, inner: Transport, latency_s: float, s_per_byte: float):
+        self.inner, self.rank, self.world_size = inner, inner.rank, inner.world_size
+        self.latency_s, self.s_per_byte = latency_s, s_per_byte
+
+    def delay_s(self, flat) -> float:
+        return self.latency_s + flat.numel() * flat.element_size() * self.s_per_byte
 
 
 _INIT_LOCK = threading.Lock()  # simulated workers are threads sharing the global RNG
@@ -272,3 +284,29 @@ def ddp_auto_against_plain_ddp(rank, world, steps):
                 plain.append(state.stats()["plain_allreduces"] - sum(plain))
         out.append((_flat(model), plain))
     return out
+
+
+def auto_on_a_slow_link(rank, world, steps, busy_after_compressed_s):
+    """auto (none or Top-k; plan at step 2, verified by step 7) on a 25 MB/s emulated link, with the
+    optimizer integration so every step crosses the link.  ``busy_after_compressed_s``: extra compute
+    after each step that compressed, as a codec taking time from backward would; the exchange's own
+    time does not show it.  Returns parameters, choices, step costs and whether a residual is left."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 10))
+    base = torch.optim.SGD(model.parameters(), lr=0.05)
+    opt = gradzip.DistributedOptimizer(base, model.named_parameters(), "auto", candidates=["none", "topk:ratio=0.01"],
+                                       warmup=0, trials=1, verify=1)
+    state = opt.state
+    state.transport = EmulatedLink(state.transport, 0.0, 40e-9)  # 0.5 MB of weights: 21 ms dense
+    for step in range(steps):
+        x = torch.randn(32, 256, generator=torch.Generator().manual_seed(1000 * step + rank))
+        before = state.stats()
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+        after = state.stats()
+        if after["payload_bytes"] - before["payload_bytes"] < 0.5 * (after["dense_bytes"] - before["dense_bytes"]):
+            time.sleep(busy_after_compressed_s)
+    cost = {key: slot.get("auto_step_cost") for key, slot in state.tensors.items()}
+    residual = any("residual" in slot for slot in state.tensors.values())
+    return _flat(model), state.compressor.choices(state.tensors), cost, residual

@@ -14,26 +14,38 @@ from .dense import NoCompression
 DEFAULT_CANDIDATES = ("none", "fp16", "powersgd:rank=2,dense_steps=0", "topk:ratio=0.01")
 
 
+# Verification: each repetition runs the plan for 2 steps, then dense for 3 (the first dense step flushes
+# the residual through auto's own path, so the plain allreduce's step is the 2nd to 3rd).
+_PLAN_STEPS, _DENSE_STEPS = 2, 3
+_REPETITION = _PLAN_STEPS + _DENSE_STEPS
+
+
 @register
 class Auto(Compressor):
-    """Choose per bucket whether to compress, and with which candidate, from timed trial exchanges.
+    """Choose per bucket whether to compress, and with which candidate, from timed trials; keep the
+    choice only if whole training steps get faster.
 
-    After ``warmup`` dense steps, exploration runs in rounds: each round exchanges every tensor once with
-    each candidate still in the race, one candidate per step.  Each tensor times its own exchange, from
-    the moment the bucket's exchange started to the moment the bucket's last tensor got its result (the
-    requests of a bucket are fused): the bucket's exchange time under that candidate, shared by its
-    tensors.  At the start of every later round every tensor allreduces its
-    per-candidate fastest times (max over negated values), i.e. takes
+    1. Exploration, after ``warmup`` dense steps: ``trials`` rounds of one step per candidate.  A step
+       times the bucket's exchange under its candidate (from the start of the bucket's first tensor to
+       the end of its last: the requests of a bucket are fused), one time shared by the bucket's
+       tensors.  Each round after the first starts with one allreduce of the fastest times so far,
 
-        cost_c = min over ranks and trials of time(c)
+           cost_c = min over ranks and trials of time(c)
 
-    (noise only adds time; and the rank that waited least for its peers measures the codec and the
-    network without the skew every candidate suffers alike).  Candidates with ``cost_c > drop * min
-    cost`` leave the race.  After ``trials`` rounds, or when one candidate is left, the tensor keeps
-    ``argmin cost`` for the rest of the run, unless that is not at least ``margin`` faster than
-    ``none`` and does not save at least ``min_saving_ms`` per step: then it stays dense (an exchange's
-    time does not show what the codec takes from backward, and a small bucket's gain is within noise).
-    Every rank computes these choices from the same reduced vector, so all ranks agree.  A tensor that
+       (noise only adds time, and the rank that waited least for its peers measures the codec and the
+       network without the skew all candidates suffer alike); candidates with ``cost_c > drop *
+       min cost`` leave the race, and their later turns run the cheapest candidate instead, so every
+       bucket stays on one schedule.
+    2. Plan: ``p = argmin cost``, unless that is not ``margin`` faster than ``none`` or saves less than
+       ``min_saving_ms`` per step (a bucket's gain within noise); then ``none``.
+    3. Verification (``verify`` repetitions, when the plan compresses and ``none`` is a candidate):
+       an exchange's time cannot show what a codec takes from backward or how much of the exchange
+       backward already hid, so the plan must also win on the whole step.  Each repetition runs the
+       plan for 2 steps, then dense for 3, timing one step of each from the tensor's step clock
+       (``ctx.periods``, as long on every bucket).  With T = min over ranks and repetitions, the bucket
+       keeps its plan only if ``T_plan < (1 - step_margin) * T_dense``, else it sends densely.
+
+    Every rank computes each decision from the same reduced vector, so all ranks agree.  A tensor that
     ends up dense is left to the integration's dense path (the DDP hook hands a bucket that is dense
     throughout to DDP's own allreduce), so auto costs nothing where compression does not pay.
 
@@ -49,20 +61,21 @@ class Auto(Compressor):
 
     def __init__(self, candidates: Union[str, Sequence[str]] = DEFAULT_CANDIDATES, warmup: int = 1,
                  trials: int = 2, drop: float = 2.0, margin: float = 0.25, min_saving_ms: float = 5.0,
-                 feedback: Optional[str] = None):
+                 verify: int = 2, step_margin: float = 0.05, feedback: Optional[str] = None):
         super().__init__(feedback)
         if isinstance(candidates, str):
             candidates = [c for c in (part.strip() for part in candidates.split(";")) if c]
         if not isinstance(candidates, (list, tuple)) or not candidates or not all(isinstance(c, str) for c in candidates):
             raise ValueError(f"candidates must be a non-empty list of method specs like 'topk:ratio=0.01', "
                              f"got {candidates!r}")
-        for field, value, least in (("warmup", warmup, 0), ("trials", trials, 1)):
+        for field, value, least in (("warmup", warmup, 0), ("trials", trials, 1), ("verify", verify, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{field} must be an integer >= {least}, got {value!r}")
         if isinstance(drop, bool) or not isinstance(drop, (int, float)) or not 1 <= drop <= math.inf:
             raise ValueError(f"drop must be a number >= 1 (inf: never drop a candidate early), got {drop!r}")
-        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
-            raise ValueError(f"margin must be a number with 0 <= margin < 1, got {margin!r}")
+        for field, value in (("margin", margin), ("step_margin", step_margin)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+                raise ValueError(f"{field} must be a number with 0 <= {field} < 1, got {value!r}")
         if isinstance(min_saving_ms, bool) or not isinstance(min_saving_ms, (int, float)) or not 0 <= min_saving_ms < math.inf:
             raise ValueError(f"min_saving_ms must be a finite number >= 0, got {min_saving_ms!r}")
         built = []
@@ -82,14 +95,21 @@ class Auto(Compressor):
         self.drop = float(drop)
         self.margin = float(margin)
         self.min_saving_ms = float(min_saving_ms)
+        self.verify = verify
+        self.step_margin = float(step_margin)
         self._built = built
         self._dense = NoCompression()
+        self._none = next((i for i, c in enumerate(built) if c.name == "none"), None)
 
     def choices(self, tensors: dict) -> dict[str, str]:
         """Tensor name -> the candidate spec it uses, for every decided tensor of a state's ``tensors``."""
         return {key: self.candidates[int(slot["auto_choice"])] for key, slot in tensors.items() if "auto_choice" in slot}
 
     # -- where a tensor is in the schedule ---------------------------------------------------------------
+    @property
+    def _explore_steps(self) -> int:
+        return self.trials * len(self._built)
+
     def _times(self, ctx: TensorContext) -> torch.Tensor:
         times = ctx.get("auto_times")  # (candidates, trials); inf: not measured (NaN breaks state equality)
         return torch.full((len(self._built), self.trials), math.inf, dtype=torch.float64) if times is None else times
@@ -98,30 +118,38 @@ class Auto(Compressor):
         active = ctx.get("auto_active")
         return torch.ones(len(self._built), dtype=torch.bool) if active is None else active
 
-    def _stage(self, ctx: TensorContext) -> tuple[str, Optional[int]]:
-        """("warmup" | "explore" | "agree" | "chosen", candidate index or None).
+    def _position(self, ctx: TensorContext) -> Optional[int]:
+        """Steps since this tensor's exploration began (None: still warming up)."""
+        begin = ctx.get("auto_begin")
+        if begin is None:
+            return None if ctx.step < self.warmup else 0
+        return ctx.step - int(begin)
 
-        "agree": this step starts a new round, so it first agrees on the costs so far (and may decide).
-        """
+    def _stage(self, ctx: TensorContext) -> tuple[str, Optional[int]]:
+        """(stage, the candidate this step runs; None: dense).  Stages: "warmup", "explore" (timed),
+        "stand-in" (a dropped candidate's turn), "decide" (agree first), "verify", "chosen"."""
         chosen = ctx.get("auto_choice")
         if chosen is not None:
             return "chosen", int(chosen)
-        if ctx.step < self.warmup:
+        s = self._position(ctx)
+        if s is None:
             return "warmup", None
-        counts = torch.isfinite(self._times(ctx)).sum(dim=1)
-        active = self._active(ctx)
-        this_round = int(counts[active].min())
-        if "auto_active" in ctx.updates or this_round == 0 or int(counts[active].max()) > this_round:
-            # Mid-round (or the round just agreed on, in this step): the next active candidate not yet run.
-            index = int(torch.nonzero(active & (counts == this_round))[0])
-            return "explore", index
-        return "agree", None
+        if s < self._explore_steps:
+            turn = s % len(self._built)
+            active = self._active(ctx)
+            if active[turn]:
+                return "explore", turn
+            cost = torch.where(active, ctx.get("auto_cost"), math.inf)
+            return "stand-in", int(torch.argmin(cost))
+        plan = ctx.get("auto_plan")
+        v = s - self._explore_steps
+        if plan is None or v >= self.verify * _REPETITION:
+            return "decide", None
+        return "verify", int(plan) if v % _REPETITION < _PLAN_STEPS else None
 
     def compresses(self, ctx):
         stage, index = self._stage(ctx)
-        if stage == "warmup":
-            return False
-        if stage == "chosen":
+        if stage in ("warmup", "chosen", "verify"):
             return self._sends(index, ctx)
         return True  # exploring and agreeing need auto's own exchange
 
@@ -129,20 +157,28 @@ class Auto(Compressor):
         """Whether candidate ``index`` compresses this tensor (``none`` and dense fall-backs do not)."""
         return index is not None and self._built[index].name != "none" and self._built[index].compresses(ctx)
 
-    def _run(self, index: Optional[int], x, ctx):
-        run = self._built[index].exchange if self._sends(index, ctx) else self._dense.exchange
-        return (yield from run(x, ctx))
-
     # -- the exchange ---------------------------------------------------------------------------------
     def exchange(self, x, ctx):
+        s = self._position(ctx)
+        if s is not None and ctx.get("auto_begin") is None:
+            ctx.set("auto_begin", torch.tensor(ctx.step))
         stage, index = self._stage(ctx)
-        if stage == "agree":
-            yield from self._agree(ctx)
-            stage, index = self._stage(ctx)
+        agreed = 0
+        if stage in ("explore", "stand-in") and s > 0 and s % len(self._built) == 0:
+            agreed = yield from self._agree_round(ctx)
+        elif stage in ("verify", "decide") and ctx.get("auto_plan") is not None:
+            self._record_step(ctx, s - self._explore_steps)
+            if stage == "decide":
+                agreed = yield from self._agree_steps(ctx)
+        elif stage == "decide":
+            agreed = yield from self._agree_plan(ctx)
+        stage, index = self._stage(ctx)
+        ctx.exchange[("auto_ran", ctx.key)] = (index, agreed)  # for payload_bytes
+        run = self._built[index].exchange if self._sends(index, ctx) else self._dense.exchange
         if stage != "explore":
-            return (yield from self._run(index, x, ctx))
+            return (yield from run(x, ctx))
         start = ctx.exchange.setdefault("auto_start", time.perf_counter())  # the bucket's first tensor
-        result = yield from self._run(index, x, ctx)
+        result = yield from run(x, ctx)
         # Tensors of one bucket with the same history share one record, and the last of them to finish
         # writes the bucket's whole exchange time into it: they then see the same costs and choose alike.
         times = self._times(ctx)
@@ -152,46 +188,75 @@ class Auto(Compressor):
         ctx.set("auto_times", record)
         return result
 
-    def _agree(self, ctx):
-        """One allreduce of the fastest times: drop slow candidates, or decide."""
-        times, active = self._times(ctx), self._active(ctx)
-        # Noise on a shared machine only ever adds time, so the fastest trial is the estimate (as timeit).
-        fastest = times.min(dim=1).values  # inf where a candidate was never measured
-        # max of -t over ranks is -(min over ranks); a candidate nobody measured stays at +inf.
-        measured = -(yield AllReduce(-fastest.float(), op="max")).double()
+    def _costs(self, times: torch.Tensor):
+        """min over trials here, then (one allreduce of max of -t) min over ranks; inf: never measured.
+        Noise on a shared machine only ever adds time, so the fastest trial is the estimate (as timeit)."""
+        fastest = times.min(dim=1).values
+        return -(yield AllReduce(-fastest.float(), op="max")).double()
+
+    def _agree_round(self, ctx):
+        """Drop the candidates more than ``drop`` times slower than the fastest so far."""
+        measured = yield from self._costs(self._times(ctx))
         # A candidate that leaves this tensor dense (PowerSGD and a bias) is "none" under another name.
         eligible = torch.tensor([c.name == "none" or self._sends(i, ctx) for i, c in enumerate(self._built)])
-        active = active & eligible
+        active = self._active(ctx) & eligible & torch.isfinite(measured)
+        if not bool(active.any()):  # nothing measured anywhere (cannot happen in lockstep): keep racing
+            active = eligible
         cost = torch.where(active, measured, math.inf)
-        best = int(torch.argmin(cost))
-        active = active & (cost <= self.drop * cost[best])
-        rounds_done = int(torch.isfinite(times[best]).sum())
-        if int(active.sum()) > 1 and rounds_done < self.trials and math.isfinite(cost[best]):
-            ctx.set("auto_active", active)
-            return
-        dense = next((i for i, c in enumerate(self._built) if c.name == "none"), None)
-        if dense is not None:  # compared with dense's measured cost, even if it left the race
-            saving = measured[dense] - cost[best]
-            if not (cost[best] < (1 - self.margin) * measured[dense] and saving >= self.min_saving_ms / 1e3):
-                best = dense  # not clearly faster, too little to gain (or nothing measured): stay dense
-        ctx.set("auto_choice", torch.tensor(best))
+        ctx.set("auto_active", active & (cost <= self.drop * cost.min()))
         ctx.set("auto_cost", measured)
-        ctx.set("auto_times", None)
-        ctx.set("auto_active", None)
+        return len(self._built) * 4
+
+    def _agree_plan(self, ctx):
+        """The plan: the fastest candidate, if it clearly beats dense's exchange."""
+        measured = yield from self._costs(self._times(ctx))
+        eligible = torch.tensor([c.name == "none" or self._sends(i, ctx) for i, c in enumerate(self._built)])
+        cost = torch.where(self._active(ctx) & eligible, measured, math.inf)
+        best = int(torch.argmin(cost))
+        if self._none is not None:  # compared with dense's measured cost, even if it left the race
+            saving = measured[self._none] - cost[best]
+            if not (cost[best] < (1 - self.margin) * measured[self._none] and saving >= self.min_saving_ms / 1e3):
+                best = self._none  # not clearly faster, too little to gain (or nothing measured): stay dense
+        ctx.set("auto_cost", measured)
+        for name in ("auto_times", "auto_active"):
+            ctx.set(name, None)
+        if self._sends(best, ctx) and self.verify > 0 and self._none is not None:
+            ctx.set("auto_plan", torch.tensor(best))
+            ctx.set("auto_steps", torch.full((2, self.verify), math.inf, dtype=torch.float64))
+        else:
+            ctx.set("auto_choice", torch.tensor(best))
+        return len(self._built) * 4
+
+    def _record_step(self, ctx, v: int) -> None:
+        """Time one whole step of each arm from the step clock (see the module's schedule)."""
+        phase, repetition = v % _REPETITION, v // _REPETITION
+        if phase == 1:  # plan steps 1 -> 2
+            arm, back, repetition = 0, 1, repetition
+        elif phase == 0 and v > 0:  # dense steps 2 -> 3 of the repetition before
+            arm, back, repetition = 1, 2, repetition - 1
+        else:
+            return
+        steps = ctx.get("auto_steps").clone()
+        steps[arm, repetition] = ctx.periods[-back] if len(ctx.periods) >= back else math.inf
+        ctx.set("auto_steps", steps)
+
+    def _agree_steps(self, ctx):
+        """Keep the plan only if its whole step is ``step_margin`` faster than dense's."""
+        plan_s, dense_s = (yield from self._costs(ctx.get("auto_steps"))).tolist()
+        keep = not math.isfinite(dense_s) or plan_s < (1 - self.step_margin) * dense_s
+        ctx.set("auto_choice", ctx.get("auto_plan") if keep else torch.tensor(self._none))
+        ctx.set("auto_step_cost", torch.tensor([plan_s, dense_s], dtype=torch.float64))
+        for name in ("auto_plan", "auto_steps"):
+            ctx.set(name, None)
+        return 2 * 4
 
     def payload_bytes(self, ctx, kept=None):
-        # Called after the exchange, so a decision or a new round taken in it is already staged.
-        agreed = "auto_cost" in ctx.updates or "auto_active" in ctx.updates
-        _, index = self._stage(ctx)
-        explored = ctx.updates.get("auto_times")
-        if explored is not None:  # the candidate whose count of trials went up
-            committed = ctx.state.get("auto_times")
-            before = 0 if committed is None else torch.isfinite(committed).sum(1)
-            index = int(torch.nonzero(torch.isfinite(explored).sum(1) > before)[0])
+        # After the exchange: what it ran (and agreed on); before it: what this step would run.
+        index, agreed = ctx.exchange.get(("auto_ran", ctx.key), (self._stage(ctx)[1], 0))
         method = self._built[index] if self._sends(index, ctx) else self._dense
-        return (len(self._built) * 4 if agreed else 0) + method.payload_bytes(ctx, kept)
+        return agreed + method.payload_bytes(ctx, kept)
 
     def params(self) -> dict:
         return {"candidates": self.candidates, "warmup": self.warmup, "trials": self.trials, "drop": self.drop,
-                "margin": self.margin, "min_saving_ms": self.min_saving_ms, "feedback": self.feedback}
-
+                "margin": self.margin, "min_saving_ms": self.min_saving_ms, "verify": self.verify,
+                "step_margin": self.step_margin, "feedback": self.feedback}
