@@ -84,7 +84,7 @@ class GradzipState:
         for key in keys:
             last = self._starts.get(key)
             if last is not None:
-                self._periods[key] = (self._periods.get(key, ()) + (now - last,))[-3:]
+                self._periods[key] = (self._periods.get(key, ()) + (now - last,))[-4:]
             self._starts[key] = now
 
     def exchange(self, named_grads: Sequence[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:

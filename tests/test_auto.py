@@ -35,7 +35,7 @@ def _choices(state):
 
 def test_slow_link_chooses_a_compressed_candidate_on_every_rank():
     # 50 MB/s: the dense 1 MB weight takes 20 ms, PowerSGD's and Top-k's payloads well under 1 ms.
-    states = _train_on_link(0.0, 20e-9, steps=10)
+    states = _train_on_link(0.0, 20e-9, steps=14)
     choices = [_choices(s) for s in states]
     assert choices[0] == choices[1]
     assert choices[0]["w"] in ("powersgd", "topk")
@@ -94,7 +94,7 @@ def test_a_compressing_plan_is_verified_and_a_dense_one_is_final():
     times = [[[1.0, 1.0], [0.3, 0.3]]] * 2
     for updates in _agree([{"auto_times": times[0]}] * 2, 4):
         assert int(updates["auto_plan"]) == 1 and "auto_choice" not in updates
-        assert updates["auto_steps"].shape == (2, 2) and not torch.isfinite(updates["auto_steps"]).any()
+        assert updates["auto_steps"].shape == (2, 3) and not torch.isfinite(updates["auto_steps"]).any()
         assert updates["auto_times"] is None  # exploration's records are dropped
     dense = [[[0.5, 0.5], [0.47, 0.47]]] * 2
     assert all(int(u["auto_choice"]) == 0 and "auto_plan" not in u for u in _agree([{"auto_times": dense[0]}] * 2, 4))
@@ -123,24 +123,39 @@ def test_rounds_drop_slow_candidates_and_their_turns_run_the_cheapest():
         assert torch.isfinite(updates["auto_times"]).sum(dim=1).tolist() == [1, 2, 1]
 
 
+def test_a_plan_far_ahead_on_whole_exploration_steps_is_kept_unverified():
+    times = [[1.0, 1.0], [0.3, 0.3]]
+    for fp16_step, verified in ((0.1, False), (0.2, True)):  # dense's exploration step: 0.3 s
+        state = {"auto_times": times, "auto_periods": [[0.3, 0.35], [fp16_step, 0.25]]}
+        for updates in _agree([state] * 2, 4):
+            assert ("auto_plan" in updates) == verified and ("auto_choice" in updates) != verified
+            if not verified:
+                assert int(updates["auto_choice"]) == 1
+                assert updates["auto_step_cost"].tolist() == pytest.approx([fp16_step, 0.3])
+
+
 def _verified(per_rank_steps, periods, **params):
-    """The final choice after one verification (plan fp16 over dense) from per-rank step times."""
+    """The final choice after verification (plan fp16 over dense) from per-rank step times."""
     state = [{"auto_plan": 1, "auto_steps": steps, "auto_cost": [1.0, 0.3]} for steps in per_rank_steps]
-    updates = _agree(state, 4 + 5, verify=1, periods=periods, **params)
+    repetitions = len(per_rank_steps[0][0])
+    updates = _agree(state, 4 + 9 * repetitions, verify=repetitions, periods=periods, **params)
     return [int(u["auto_choice"]) for u in updates], updates[0]["auto_step_cost"].tolist()
 
 
 def test_verification_keeps_a_plan_only_if_whole_steps_are_faster():
     inf = float("inf")
-    # The dense step is read from the clock now: periods[-2], the 2nd to 3rd dense step (0.100 s).
-    choice, cost = _verified([[[0.080], [inf]]] * 2, periods=(0.1, 0.1, 0.2))
+    clock = (0.1, 0.1, 0.1, 0.2)  # the dense steps 2 to 5 (0.1 s each), then dense 5 -> plan 1 (unused)
+    choice, cost = _verified([[[0.080], [inf]]] * 2, clock)
     assert choice == [1, 1] and cost == pytest.approx([0.080, 0.1])  # exchanged as float32
     # Less than step_margin (5%) faster: dense.
-    assert _verified([[[0.098], [inf]]] * 2, periods=(0.1, 0.1, 0.2))[0] == [0, 0]
-    assert _verified([[[0.098], [inf]]] * 2, periods=(0.1, 0.1, 0.2), step_margin=0.0)[0] == [1, 1]
-    # Min over ranks and repetitions on both arms, so both ranks agree.
-    choice, cost = _verified([[[0.12], [inf]], [[0.093], [inf]]], periods=(0.1, 0.1, 0.2))
-    assert choice == [1, 1] and cost == pytest.approx([0.093, 0.1])
+    assert _verified([[[0.098], [inf]]] * 2, clock)[0] == [0, 0]
+    assert _verified([[[0.098], [inf]]] * 2, clock, step_margin=0.0)[0] == [1, 1]
+    # The mean over ranks, identical on both: one rank's lucky clock does not carry the plan.
+    choice, cost = _verified([[[0.12], [inf]], [[0.06], [inf]]], clock)
+    assert choice == [1, 1] and cost == pytest.approx([0.09, 0.1])
+    assert _verified([[[0.12], [inf]], [[0.08], [inf]]], clock)[0] == [0, 0]
+    # The median over repetitions: a step an evaluation lengthened (0.5 s) does not count.
+    assert _verified([[[0.08, 0.5, 0.085], [0.1, 0.1, inf]]] * 2, clock)[0] == [1, 1]
     # No clock (a resumed run lost it): the dense arm is unmeasured, and the plan stands.
     assert _verified([[[0.2], [inf]]] * 2, periods=())[0] == [1, 1]
 
@@ -149,7 +164,7 @@ def test_verification_on_a_real_slow_link_keeps_the_plan_unless_it_slows_the_ste
     # Two processes over gloo, every exchange through an emulated 25 MB/s link.  Exploration picks
     # Top-k (a 1 ms exchange against 21 ms dense) both times; the step clock then decides.
     for busy_s, expected in ((0.0, "topk:ratio=0.01"), (0.06, "none")):
-        results = run_workers(workers.auto_on_a_slow_link, 2, 9, busy_s)
+        results = run_workers(workers.auto_on_a_slow_link, 2, 13, busy_s)
         params, choices, costs, residual = results[0]
         assert set(choices.values()) == {expected}, (busy_s, choices, costs)
         assert all(torch.equal(r[0], params) and r[1] == choices for r in results[1:])

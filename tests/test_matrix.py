@@ -176,8 +176,8 @@ def test_state_dict_resume_is_exact(name):
         return [state.exchange([(f"t{i}", grads(s, torch.float32, 7 * k + i)) for i, s in enumerate(SHAPES)])
                 for k in steps]
 
-    # Saved after six steps: past every test warm-up, and after auto's timed decision, which a resumed
-    # run must take over rather than measure again.
+    # Saved after six steps: past every test warm-up, and after auto's timed plan, which a resumed run
+    # must take over rather than measure again.
     first = gradzip.GradzipState(build(name), seed=5)
     run(first, range(6))
     saved = first.state_dict()

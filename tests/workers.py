@@ -17,7 +17,7 @@ TEST_PARAMS = {
     "powersgd": {"dense_steps": 2},
     "dgc": {"min_numel": 256, "warmup_epochs": 0, "ratio": 0.05},
     "threshold": {"tau": 0.01},
-    # Four candidates, one trial each: plan at step 4, plan steps 4-5, dense steps 6-8, decision at step 9.
+    # Four candidates, one trial each: plan at step 4, plan steps 4-7, dense steps 8-12, decision at step 13.
     "auto": {"warmup": 0, "trials": 1, "verify": 1},
 }
 
@@ -287,7 +287,7 @@ def ddp_auto_against_plain_ddp(rank, world, steps):
 
 
 def auto_on_a_slow_link(rank, world, steps, busy_after_compressed_s):
-    """auto (none or Top-k; plan at step 2, verified by step 7) on a 25 MB/s emulated link, with the
+    """auto (none or Top-k; plan at step 2, verified by step 11) on a 25 MB/s emulated link, with the
     optimizer integration so every step crosses the link.  ``busy_after_compressed_s``: extra compute
     after each step that compressed, as a codec taking time from backward would; the exchange's own
     time does not show it.  Returns parameters, choices, step costs and whether a residual is left."""

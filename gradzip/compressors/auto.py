@@ -14,11 +14,14 @@ from .dense import NoCompression
 DEFAULT_CANDIDATES = ("none", "fp16", "powersgd:rank=2,dense_steps=0", "topk:ratio=0.01")
 
 
-# Verification: each repetition runs the plan for 2 steps, then dense for 3 (the first dense step flushes
-# the residual through auto's own path, so the plain allreduce's step is the 2nd to 3rd).
-_PLAN_STEPS, _DENSE_STEPS = 2, 3
+# Verification: each repetition runs the plan for 4 steps and dense for 5, and times 3 whole steps of
+# each: plan steps 1 to 4, and dense steps 2 to 5 (the first dense step flushes the residual through
+# auto's own path, the others take the plain allreduce).
+_PLAN_STEPS, _DENSE_STEPS, _TIMED = 4, 5, 3
 _REPETITION = _PLAN_STEPS + _DENSE_STEPS
-
+# A plan whose candidate made whole exploration steps this much faster than dense's is kept unverified:
+# far beyond the noise, and verifying it would cost slow dense steps.
+_CLEAR_WIN = 0.5
 
 @register
 class Auto(Compressor):
@@ -41,9 +44,11 @@ class Auto(Compressor):
     3. Verification (``verify`` repetitions, when the plan compresses and ``none`` is a candidate):
        an exchange's time cannot show what a codec takes from backward or how much of the exchange
        backward already hid, so the plan must also win on the whole step.  Each repetition runs the
-       plan for 2 steps, then dense for 3, timing one step of each from the tensor's step clock
-       (``ctx.periods``, as long on every bucket).  With T = min over ranks and repetitions, the bucket
-       keeps its plan only if ``T_plan < (1 - step_margin) * T_dense``, else it sends densely.
+       plan for 4 steps, then dense for 5, timing 3 whole steps of each from the tensor's step clock
+       (``ctx.periods``).  With T = mean over ranks of the median over repetitions, the bucket keeps
+       its plan only if ``T_plan < (1 - step_margin) * T_dense``, else it sends densely.  Exploration
+       steps are clocked too (T_c: min over trials and ranks); a plan with ``T_p < 0.5 T_none`` there
+       is kept unverified.
 
     Every rank computes each decision from the same reduced vector, so all ranks agree.  A tensor that
     ends up dense is left to the integration's dense path (the DDP hook hands a bucket that is dense
@@ -61,7 +66,7 @@ class Auto(Compressor):
 
     def __init__(self, candidates: Union[str, Sequence[str]] = DEFAULT_CANDIDATES, warmup: int = 1,
                  trials: int = 2, drop: float = 2.0, margin: float = 0.25, min_saving_ms: float = 5.0,
-                 verify: int = 2, step_margin: float = 0.05, feedback: Optional[str] = None):
+                 verify: int = 3, step_margin: float = 0.05, feedback: Optional[str] = None):
         super().__init__(feedback)
         if isinstance(candidates, str):
             candidates = [c for c in (part.strip() for part in candidates.split(";")) if c]
@@ -164,6 +169,8 @@ class Auto(Compressor):
             ctx.set("auto_begin", torch.tensor(ctx.step))
         stage, index = self._stage(ctx)
         agreed = 0
+        if s and (stage in ("explore", "stand-in") or (stage == "decide" and ctx.get("auto_plan") is None)):
+            self._record_explored_step(ctx)
         if stage in ("explore", "stand-in") and s > 0 and s % len(self._built) == 0:
             agreed = yield from self._agree_round(ctx)
         elif stage in ("verify", "decide") and ctx.get("auto_plan") is not None:
@@ -174,6 +181,8 @@ class Auto(Compressor):
             agreed = yield from self._agree_plan(ctx)
         stage, index = self._stage(ctx)
         ctx.exchange[("auto_ran", ctx.key)] = (index, agreed)  # for payload_bytes
+        if stage in ("explore", "stand-in"):
+            ctx.set("auto_ran", torch.tensor(index))
         run = self._built[index].exchange if self._sends(index, ctx) else self._dense.exchange
         if stage != "explore":
             return (yield from run(x, ctx))
@@ -209,7 +218,9 @@ class Auto(Compressor):
 
     def _agree_plan(self, ctx):
         """The plan: the fastest candidate, if it clearly beats dense's exchange."""
-        measured = yield from self._costs(self._times(ctx))
+        C = len(self._built)
+        measured = yield from self._costs(torch.cat([self._times(ctx), self._explored_steps(ctx)]))
+        measured, step_cost = measured[:C], measured[C:]
         eligible = torch.tensor([c.name == "none" or self._sends(i, ctx) for i, c in enumerate(self._built)])
         cost = torch.where(self._active(ctx) & eligible, measured, math.inf)
         best = int(torch.argmin(cost))
@@ -218,31 +229,55 @@ class Auto(Compressor):
             if not (cost[best] < (1 - self.margin) * measured[self._none] and saving >= self.min_saving_ms / 1e3):
                 best = self._none  # not clearly faster, too little to gain (or nothing measured): stay dense
         ctx.set("auto_cost", measured)
-        for name in ("auto_times", "auto_active"):
+        for name in ("auto_times", "auto_active", "auto_periods", "auto_ran"):
             ctx.set(name, None)
-        if self._sends(best, ctx) and self.verify > 0 and self._none is not None:
+        if not self._sends(best, ctx) or self.verify == 0 or self._none is None:
+            ctx.set("auto_choice", torch.tensor(best))
+        elif step_cost[best] < _CLEAR_WIN * step_cost[self._none]:
+            ctx.set("auto_choice", torch.tensor(best))
+            ctx.set("auto_step_cost", step_cost[[best, self._none]])
+        else:
             ctx.set("auto_plan", torch.tensor(best))
             ctx.set("auto_steps", torch.full((2, self.verify), math.inf, dtype=torch.float64))
-        else:
-            ctx.set("auto_choice", torch.tensor(best))
-        return len(self._built) * 4
+        return 2 * C * 4
+
+    def _explored_steps(self, ctx) -> torch.Tensor:
+        periods = ctx.get("auto_periods")  # (candidates, trials): whole steps under each candidate
+        return torch.full((len(self._built), self.trials), math.inf, dtype=torch.float64) if periods is None else periods
+
+    def _record_explored_step(self, ctx) -> None:
+        """The step before this one ran candidate ``auto_ran`` everywhere: its whole step's time."""
+        ran = ctx.get("auto_ran")
+        if ran is None or not ctx.periods:
+            return
+        periods = self._explored_steps(ctx).clone()
+        row = periods[int(ran)]
+        slot = int(torch.isfinite(row).sum())
+        if slot < self.trials:
+            row[slot] = ctx.periods[-1]
+            ctx.set("auto_periods", periods)
 
     def _record_step(self, ctx, v: int) -> None:
-        """Time one whole step of each arm from the step clock (see the module's schedule)."""
+        """Time whole steps of each arm from the step clock (see the schedule at the top)."""
         phase, repetition = v % _REPETITION, v // _REPETITION
-        if phase == 1:  # plan steps 1 -> 2
-            arm, back, repetition = 0, 1, repetition
-        elif phase == 0 and v > 0:  # dense steps 2 -> 3 of the repetition before
-            arm, back, repetition = 1, 2, repetition - 1
+        if phase == _PLAN_STEPS - 1:  # plan steps 1 -> 4
+            arm, clocked = 0, ctx.periods[-_TIMED:]
+        elif phase == 0 and v > 0:  # dense steps 2 -> 5 of the repetition before
+            arm, clocked, repetition = 1, ctx.periods[-_TIMED - 1:-1], repetition - 1
         else:
             return
         steps = ctx.get("auto_steps").clone()
-        steps[arm, repetition] = ctx.periods[-back] if len(ctx.periods) >= back else math.inf
+        steps[arm, repetition] = sum(clocked) / _TIMED if len(clocked) == _TIMED else math.inf
         ctx.set("auto_steps", steps)
 
     def _agree_steps(self, ctx):
         """Keep the plan only if its whole step is ``step_margin`` faster than dense's."""
-        plan_s, dense_s = (yield from self._costs(ctx.get("auto_steps"))).tolist()
+        steps = ctx.get("auto_steps")
+        # The median over repetitions ignores a step that an evaluation or a checkpoint lengthened; the
+        # mean over ranks (unlike a min) is not fooled by one rank's clock starting late on one step.
+        medians = torch.stack([row[torch.isfinite(row)].median() if torch.isfinite(row).any()
+                               else torch.tensor(math.inf, dtype=row.dtype) for row in steps])
+        plan_s, dense_s = ((yield AllReduce(medians.float())).double() / ctx.world_size).tolist()
         keep = not math.isfinite(dense_s) or plan_s < (1 - self.step_margin) * dense_s
         ctx.set("auto_choice", ctx.get("auto_plan") if keep else torch.tensor(self._none))
         ctx.set("auto_step_cost", torch.tensor([plan_s, dense_s], dtype=torch.float64))

@@ -144,7 +144,7 @@ class TensorContext:
     updates: dict = field(default_factory=dict)
     #: Scratch shared by every tensor of one exchange (one bucket), for this exchange only.
     exchange: dict = field(default_factory=dict)
-    #: Seconds between this tensor's latest exchange starts on this rank, oldest first (at most 3): whole
+    #: Seconds between this tensor's latest exchange starts on this rank, oldest first (at most 4): whole
     #: training-step times, clocked by the owner whether a step went through the compressor or not.
     periods: tuple = ()
 
