@@ -1,0 +1,95 @@
+"""What a Python comm hook costs when every bucket is sent densely: DDP's own (C++) allreduce, a bare
+Python allreduce hook, and gradzip's hook with ``auto`` restricted to dense (after its decision every
+bucket takes the plain-allreduce path), in alternating blocks of steps in the same worker processes, so
+that drift of a shared machine hits all three alike.
+
+    python benchmarks/hook_overhead.py --steps 80 --blocks 6
+
+Prints each variant's mean and best block step time and its ratio to DDP's own allreduce.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+VARIANTS = ("ddp allreduce", "python hook", "python hook, divide first", "gradzip auto (dense)")
+
+
+def _python_allreduce(_, bucket):
+    world = dist.get_world_size()
+    fut = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0].div_(world))
+
+
+def _python_allreduce_divided(_, bucket):
+    fut = dist.all_reduce(bucket.buffer().div_(dist.get_world_size()), async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
+
+
+def _worker(rank, world, port, steps, blocks, out):
+    import gradzip
+    from gradzip.harness.data import load_dataset
+    from gradzip.harness.models import build_model
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    _, info = load_dataset("fashion-mnist", train=False)
+    gen = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(32, 1, 28, 28, generator=gen), torch.randint(0, 10, (32,), generator=gen)
+    times = {v: [] for v in VARIANTS}
+    for _ in range(blocks):
+        for variant in VARIANTS:
+            torch.manual_seed(0)
+            net = nn.parallel.DistributedDataParallel(build_model("cnn", info))
+            if variant == "python hook":
+                net.register_comm_hook(None, _python_allreduce)
+            elif variant == "python hook, divide first":
+                net.register_comm_hook(None, _python_allreduce_divided)
+            elif variant == "gradzip auto (dense)":
+                gradzip.register(net, "auto", candidates=["none"])
+            opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+            for step in range(steps + 10):  # 10 untimed: DDP's bucket rebuild, auto's decision, warm caches
+                if step == 10:
+                    dist.barrier()
+                    start = time.perf_counter()
+                opt.zero_grad()
+                nn.functional.cross_entropy(net(x), y).backward()
+                opt.step()
+            dist.barrier()
+            times[variant].append((time.perf_counter() - start) / steps)
+    if rank == 0:
+        out.put(times)
+    dist.destroy_process_group()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=80, help="timed steps per block")
+    parser.add_argument("--blocks", type=int, default=6, help="blocks per variant, alternating")
+    args = parser.parse_args()
+    from gradzip.collectives import free_port
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    mp.start_processes(_worker, args=(args.workers, free_port(), args.steps, args.blocks, out),
+                       nprocs=args.workers, start_method="spawn")
+    times = out.get()
+    base = statistics.mean(times[VARIANTS[0]])
+    print(f"{args.workers} workers, Fashion-MNIST CNN, batch 32, {args.blocks} blocks of {args.steps} steps")
+    print(f"{'variant':24s} {'mean ms':>8s} {'best ms':>8s} {'vs ddp':>7s}")
+    for variant, ts in times.items():
+        mean = statistics.mean(ts)
+        print(f"{variant:24s} {mean * 1e3:8.1f} {min(ts) * 1e3:8.1f} {mean / base:6.3f}x")
+
+
+if __name__ == "__main__":
+    main()
