@@ -1,4 +1,5 @@
-"""Auto: measure which candidate method exchanges each bucket fastest on this run's link, then use it."""
+"""Auto: measure which candidate method exchanges each bucket fastest on this run's link, check that it
+makes whole training steps faster, then use it."""
 from __future__ import annotations
 
 import math
@@ -22,6 +23,7 @@ _REPETITION = _PLAN_STEPS + _DENSE_STEPS
 # A plan whose candidate made whole exploration steps this much faster than dense's is kept unverified:
 # far beyond the noise, and verifying it would cost slow dense steps.
 _CLEAR_WIN = 0.5
+
 
 @register
 class Auto(Compressor):
@@ -52,7 +54,8 @@ class Auto(Compressor):
 
     Every rank computes each decision from the same reduced vector, so all ranks agree.  A tensor that
     ends up dense is left to the integration's dense path (the DDP hook hands a bucket that is dense
-    throughout to DDP's own allreduce), so auto costs nothing where compression does not pay.
+    throughout to DDP's own allreduce), so where compression does not pay auto costs its trial steps
+    and what any Python comm hook costs (1-3% of a step here: benchmarks/hook_overhead.py).
 
     ``candidates``: method specs ``"name:key=value,..."`` (a sequence, or one string separated by
     ``;``); they run under auto's ``feedback``, and the residual carries over when the candidate changes.
@@ -164,21 +167,7 @@ class Auto(Compressor):
 
     # -- the exchange ---------------------------------------------------------------------------------
     def exchange(self, x, ctx):
-        s = self._position(ctx)
-        if s is not None and ctx.get("auto_begin") is None:
-            ctx.set("auto_begin", torch.tensor(ctx.step))
-        stage, index = self._stage(ctx)
-        agreed = 0
-        if s and (stage in ("explore", "stand-in") or (stage == "decide" and ctx.get("auto_plan") is None)):
-            self._record_explored_step(ctx)
-        if stage in ("explore", "stand-in") and s > 0 and s % len(self._built) == 0:
-            agreed = yield from self._agree_round(ctx)
-        elif stage in ("verify", "decide") and ctx.get("auto_plan") is not None:
-            self._record_step(ctx, s - self._explore_steps)
-            if stage == "decide":
-                agreed = yield from self._agree_steps(ctx)
-        elif stage == "decide":
-            agreed = yield from self._agree_plan(ctx)
+        agreed = yield from self._clock_and_agree(ctx)
         stage, index = self._stage(ctx)
         ctx.exchange[("auto_ran", ctx.key)] = (index, agreed)  # for payload_bytes
         if stage in ("explore", "stand-in"):
@@ -196,6 +185,29 @@ class Auto(Compressor):
         record[index, slot] = time.perf_counter() - start
         ctx.set("auto_times", record)
         return result
+
+    def _clock_and_agree(self, ctx):
+        """Record this step's clock readings, and agree with the other ranks where the schedule says so;
+        returns the bytes the agreement sent."""
+        s = self._position(ctx)
+        if s is None:
+            return 0
+        if ctx.get("auto_begin") is None:
+            ctx.set("auto_begin", torch.tensor(ctx.step))
+        stage, _ = self._stage(ctx)
+        if stage in ("explore", "stand-in"):
+            if s > 0:
+                self._record_explored_step(ctx)
+            if s > 0 and s % len(self._built) == 0:  # a new round
+                return (yield from self._agree_round(ctx))
+        elif stage == "decide" and ctx.get("auto_plan") is None:
+            self._record_explored_step(ctx)
+            return (yield from self._agree_plan(ctx))
+        elif stage in ("verify", "decide"):
+            self._record_step(ctx, s - self._explore_steps)
+            if stage == "decide":
+                return (yield from self._agree_steps(ctx))
+        return 0
 
     def _costs(self, times: torch.Tensor):
         """min over trials here, then (one allreduce of max of -t) min over ranks; inf: never measured.
