@@ -130,7 +130,8 @@ def demo(
                                                                    "decompress")))
     console.print(table)
     console.print("Parameters: " + "; ".join(f"{m} {p}" for m, p, _ in rows if p) + ". Times are means per step "
-                  "in ms; compress/communicate/decompress run on gradzip's thread and overlap backward.")
+                  "in ms; compress/communicate/decompress run on gradzip's thread and overlap backward ('none' "
+                  "takes DDP's own allreduce instead, timed only within the step).")
     console.print("Compression pays only when the link, not the processor, is the bottleneck; on a fast local "
                   "link expect no speedup. Runs and metrics are in " + out_dir)
 

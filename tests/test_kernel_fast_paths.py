@@ -15,6 +15,7 @@ from gradzip import feedback
 from gradzip.bits import pack_bits, select, unpack_bits
 from gradzip.collectives import LocalTransport, run_lockstep
 from gradzip.compressors.base import Exchanged, TensorContext
+from gradzip.compressors.dense import NoCompression
 from gradzip.compressors.sparse import random_positions, top_k
 
 
@@ -138,10 +139,19 @@ def test_sent_is_not_built_without_error_feedback():
     assert torch.equal(sparse.mask, sparse.sent != 0) and sparse.kept() == 2
 
 
+class _CompressingIdentity(NoCompression):
+    """Dense averaging that claims to compress, so error feedback keeps a residual for it."""
+
+    def compresses(self, ctx):
+        return True
+
+
 @pytest.mark.parametrize("name", ["none", "fp16", "signsgd", "qsgd"])
 def test_residual_feedback_when_the_method_hands_its_input_back(name):
-    # "none" returns its input as sent: the residual update must not overwrite it in place.
-    state = gradzip.GradzipState(name, feedback="residual")
+    # NoCompression returns its input as sent: the residual update must not overwrite it in place.
+    # ("none" itself keeps no residual at all, being sent densely.)
+    compressor = _CompressingIdentity(feedback="residual") if name == "none" else gradzip.make(name, feedback="residual")
+    state = gradzip.GradzipState(compressor)
     for step in range(3):
         g = randn(50, 40, seed=step)
         before = state.tensors.get("w", {}).get("residual")
@@ -201,3 +211,11 @@ def test_world_of_one_fused_results_are_views_that_do_not_overlap():
     assert torch.equal(rx.aggregate, x) and torch.equal(ry.aggregate, y)
     rx.aggregate.zero_()
     assert torch.equal(ry.aggregate, y) and not torch.equal(x, torch.zeros(10))  # inputs untouched
+
+
+def test_none_is_left_to_the_integrations_dense_path_and_keeps_no_state():
+    state = gradzip.GradzipState("none", feedback="residual")
+    named = [("w", randn(5, 4, seed=0))]
+    assert state.sends_dense(named)  # the DDP hook then uses DDP's own allreduce
+    (out,) = state.exchange(named)
+    assert torch.equal(out, named[0][1]) and "residual" not in state.tensors.get("w", {})

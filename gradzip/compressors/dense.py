@@ -16,6 +16,11 @@ class NoCompression(SummableCompressor):
     def __init__(self, feedback: str | None = None):
         super().__init__(feedback)
 
+    def compresses(self, ctx):
+        # Nothing is compressed, so integrations may use their own dense path (the DDP hook: DDP's
+        # allreduce), which skips gradzip's fusion copies: the same average.
+        return False
+
     def compress(self, x, ctx):
         return x.to(ctx.dtype)
 
