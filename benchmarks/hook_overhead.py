@@ -1,7 +1,7 @@
-"""What a Python comm hook costs when every bucket is sent densely: DDP's own (C++) allreduce, a bare
-Python allreduce hook, and gradzip's hook with ``auto`` restricted to dense (after its decision every
-bucket takes the plain-allreduce path), in alternating blocks of steps in the same worker processes, so
-that drift of a shared machine hits all three alike.
+"""What a Python comm hook costs when every bucket is sent densely: DDP's own (C++) allreduce, bare
+Python allreduce hooks, and gradzip's hook with ``none`` and with ``auto`` restricted to dense (after
+its decision every bucket takes the plain-allreduce path), in alternating blocks of steps in the same
+worker processes, so that drift of a shared machine hits all of them alike.
 
     python benchmarks/hook_overhead.py --steps 80 --blocks 6
 
@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-VARIANTS = ("ddp allreduce", "python hook", "python hook, divide first", "gradzip auto (dense)")
+VARIANTS = ("ddp allreduce", "python hook", "python hook, divide first", "gradzip none", "gradzip auto (dense)")
 
 
 def _python_allreduce(_, bucket):
@@ -53,6 +53,8 @@ def _worker(rank, world, port, steps, blocks, out):
                 net.register_comm_hook(None, _python_allreduce)
             elif variant == "python hook, divide first":
                 net.register_comm_hook(None, _python_allreduce_divided)
+            elif variant == "gradzip none":
+                gradzip.register(net, "none")
             elif variant == "gradzip auto (dense)":
                 gradzip.register(net, "auto", candidates=["none"])
             opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
