@@ -118,9 +118,20 @@ class Auto(Compressor):
     def _explore_steps(self) -> int:
         return self.trials * len(self._built)
 
+    def _trials(self, ctx: TensorContext, name: str) -> torch.Tensor:
+        """A (candidates, trials) record of times; inf: not measured (NaN breaks state equality)."""
+        record = ctx.get(name)
+        return torch.full((len(self._built), self.trials), math.inf, dtype=torch.float64) if record is None else record
+
     def _times(self, ctx: TensorContext) -> torch.Tensor:
-        times = ctx.get("auto_times")  # (candidates, trials); inf: not measured (NaN breaks state equality)
-        return torch.full((len(self._built), self.trials), math.inf, dtype=torch.float64) if times is None else times
+        return self._trials(ctx, "auto_times")  # each candidate's bucket exchanges
+
+    def _explored_steps(self, ctx) -> torch.Tensor:
+        return self._trials(ctx, "auto_periods")  # whole steps under each candidate
+
+    def _eligible(self, ctx: TensorContext) -> torch.Tensor:
+        # A candidate that leaves this tensor dense (PowerSGD and a bias) is "none" under another name.
+        return torch.tensor([c.name == "none" or self._sends(i, ctx) for i, c in enumerate(self._built)])
 
     def _active(self, ctx: TensorContext) -> torch.Tensor:
         active = ctx.get("auto_active")
@@ -218,8 +229,7 @@ class Auto(Compressor):
     def _agree_round(self, ctx):
         """Drop the candidates more than ``drop`` times slower than the fastest so far."""
         measured = yield from self._costs(self._times(ctx))
-        # A candidate that leaves this tensor dense (PowerSGD and a bias) is "none" under another name.
-        eligible = torch.tensor([c.name == "none" or self._sends(i, ctx) for i, c in enumerate(self._built)])
+        eligible = self._eligible(ctx)
         active = self._active(ctx) & eligible & torch.isfinite(measured)
         if not bool(active.any()):  # nothing measured anywhere (cannot happen in lockstep): keep racing
             active = eligible
@@ -233,8 +243,7 @@ class Auto(Compressor):
         C = len(self._built)
         measured = yield from self._costs(torch.cat([self._times(ctx), self._explored_steps(ctx)]))
         measured, step_cost = measured[:C], measured[C:]
-        eligible = torch.tensor([c.name == "none" or self._sends(i, ctx) for i, c in enumerate(self._built)])
-        cost = torch.where(self._active(ctx) & eligible, measured, math.inf)
+        cost = torch.where(self._active(ctx) & self._eligible(ctx), measured, math.inf)
         best = int(torch.argmin(cost))
         if self._none is not None:  # compared with dense's measured cost, even if it left the race
             saving = measured[self._none] - cost[best]
@@ -252,10 +261,6 @@ class Auto(Compressor):
             ctx.set("auto_plan", torch.tensor(best))
             ctx.set("auto_steps", torch.full((2, self.verify), math.inf, dtype=torch.float64))
         return 2 * C * 4
-
-    def _explored_steps(self, ctx) -> torch.Tensor:
-        periods = ctx.get("auto_periods")  # (candidates, trials): whole steps under each candidate
-        return torch.full((len(self._built), self.trials), math.inf, dtype=torch.float64) if periods is None else periods
 
     def _record_explored_step(self, ctx) -> None:
         """The step before this one ran candidate ``auto_ran`` everywhere: its whole step's time."""
