@@ -208,7 +208,9 @@ def test_parse_spec():
 
 
 def test_real_two_process_calibration_over_loopback():
-    link, points = cm.measure_link(2, sizes=(4 << 10, 64 << 10, 1 << 20), repeats=3, timeout=120)
+    # Up to 8 MiB: over loopback a 1 MiB allreduce takes well under a millisecond, within the noise of a
+    # loaded machine, and the fit then saw no growth with size once in a fresh-clone `make test`.
+    link, points = cm.measure_link(2, sizes=(4 << 10, 1 << 20, 8 << 20), repeats=3, timeout=120)
     assert len(points) == 3 and all(n == 2 and t > 0 and math.isfinite(t) for n, _, t in points)
     assert math.isfinite(link.alpha) and link.alpha >= 0
     assert math.isfinite(link.beta) and link.beta > 0
