@@ -131,3 +131,60 @@ def test_a_run_past_its_timeout_is_stopped_and_reported(tmp_path):
     with pytest.raises(TimeoutError, match="did not finish within 1 s"):
         launch(config)
     assert time.time() - start < 30
+
+
+def test_a_frozen_peer_is_reported_as_hung_once_no_rank_makes_progress(tmp_path):
+    """SIGSTOP one worker (a frozen host): the other blocks in its next allreduce, the ticks stop, and
+    the launcher stops both after ``stall_s``, long before the overall timeout."""
+    import multiprocessing
+    import threading
+
+    from gradzip.harness.trainer import TrainConfig, launch
+
+    config = TrainConfig(model="mlp", dataset="digits", workers=2, epochs=50, batch_size=16, timeout_s=300.0,
+                         stall_s=3.0, progress=False, out_dir=str(tmp_path), name="frozen")
+    metrics = tmp_path / "frozen" / "metrics.jsonl"
+    frozen = {}
+
+    def freeze_a_worker_after_some_steps():
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if metrics.exists() and metrics.read_text().count('"kind": "step"') >= 5:
+                victim = multiprocessing.active_children()[-1]
+                os.kill(victim.pid, signal.SIGSTOP)
+                frozen["at"] = time.time()
+                return
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=freeze_a_worker_after_some_steps, daemon=True)
+    thread.start()
+    with pytest.raises(TimeoutError, match="made no progress for 3 s"):
+        launch(config)
+    thread.join()
+    assert "at" in frozen, "the run ended before a worker could be frozen"
+    assert 3.0 < time.time() - frozen["at"] < 60.0
+    assert multiprocessing.active_children() == [], "a worker outlived the launcher"
+
+
+def test_the_stall_watch_is_armed_by_the_first_tick_and_reset_by_every_tick():
+    from gradzip.harness.trainer import _StallWatch
+
+    ticks = [0, 0]
+    watch = _StallWatch(ticks, limit_s=0.05)
+    time.sleep(0.1)
+    assert not watch(), "start-up (no tick yet) is the overall timeout's business"
+    ticks[1] += 1
+    assert not watch()
+    time.sleep(0.1)
+    assert watch() and watch.fired
+    ticks[0] += 1
+    assert not watch() and not watch.fired
+
+
+@pytest.mark.parametrize("key", ["timeout_s", "stall_s"])
+@pytest.mark.parametrize("value", [0, -1.0])
+def test_time_limits_must_be_positive(key, value):
+    from gradzip.harness.trainer import TrainConfig
+
+    with pytest.raises(ValueError, match=f"{key} must be a number of seconds > 0"):
+        TrainConfig(model="mlp", dataset="digits", **{key: value})

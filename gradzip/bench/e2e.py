@@ -56,16 +56,18 @@ def run(links=LINKS, workers: int = 4, steps: int = 300, batch_size: int = 32, l
     """Train every contender on every link; ``test_size`` None evaluates on the whole test set.
 
     A contender that has not finished within 4x the first contender's (dense DDP's) time on that link,
-    or 2 minutes, is stopped and reported as crashed: a hung peer is a result, not a reason to wait.
+    or 2 minutes, is stopped and reported as crashed: a hung peer is a result, not a reason to wait.  So
+    is one that makes no step for 20 of the first contender's mean steps, or a minute.
     """
     results = []
     for link in links:
-        timeout_s = max(300.0, 5.0 * steps)
+        timeout_s, stall_s = max(300.0, 5.0 * steps), None
         for i, (label, baseline, compressor, params) in enumerate(contenders):
             config = TrainConfig(compressor=compressor, params=dict(params), baseline=baseline, workers=workers,
                                  epochs=1, max_steps=steps, batch_size=batch_size, lr=lr, test_size=test_size,
                                  netem=None if link == "unthrottled" else link, out_dir=out_dir, timeout_s=timeout_s,
-                                 name=f"{link.replace('=', '-')}-{label.replace(' ', '_')}", progress=False)
+                                 stall_s=stall_s, name=f"{link.replace('=', '-')}-{label.replace(' ', '_')}",
+                                 progress=False)
             start = time.perf_counter()
             try:
                 launch(config)
@@ -83,6 +85,8 @@ def run(links=LINKS, workers: int = 4, steps: int = 300, batch_size: int = 32, l
                                   summary["total_bytes_sent"] / 2**20 if baseline is None else None,
                                   note=_choices_note(summary["choices"]) if "choices" in summary else None))
             r = results[-1]
+            if i == 0:
+                stall_s = max(60.0, 20.0 * r.step_s)
             log(f"{link:14s} {label:26s} epoch {r.epoch_s:7.2f} s  step {1000 * r.step_s:7.1f} ms  "
                 f"acc {r.accuracy:.4f}  ({time.perf_counter() - start:.0f} s)" + (f"  [{r.note}]" if r.note else ""))
     return results

@@ -67,6 +67,7 @@ class TrainConfig:
     synthetic_shape: tuple = (1, 28, 28)
     netem: Optional[str] = None  # e.g. "rate=100mbit": each worker in its own network namespace (root)
     timeout_s: Optional[float] = None  # stop the workers and fail if the run takes longer (a hang)
+    stall_s: Optional[float] = None  # ... or if, after the first step, no rank finishes a step or test batch for this long
     checkpoint_steps: Optional[int] = None
     resume: bool = False
     out_dir: str = "runs"
@@ -83,6 +84,9 @@ class TrainConfig:
             raise ValueError(f"baseline must be one of {', '.join(BASELINES)}, got {self.baseline!r}")
         if self.baseline is not None and (self.compressor != "none" or self.integration != "ddp"):
             raise ValueError("a baseline hook replaces gradzip: use it with compressor 'none' and integration 'ddp'")
+        for key in ("timeout_s", "stall_s"):
+            if getattr(self, key) is not None and not getattr(self, key) > 0:
+                raise ValueError(f"{key} must be a number of seconds > 0 or None, got {getattr(self, key)!r}")
         if not 0 <= self.validation < 1:
             raise ValueError(f"validation must be a fraction in [0, 1), got {self.validation!r}")
         self.synthetic_shape = tuple(self.synthetic_shape)
@@ -121,18 +125,41 @@ def _spawn(config: TrainConfig, cluster) -> dict:
     os.environ["MASTER_ADDR"] = cluster.address(0) if cluster else "127.0.0.1"
     os.environ["MASTER_PORT"] = str(free_port())
     ctx = mp.get_context("spawn")
+    ticks = ctx.Array("q", config.workers, lock=False) if config.stall_s else None  # one counter per rank
     procs = [ctx.Process(target=_worker, args=(r, config.workers, config, False,
-                                               cluster.namespace(r) if cluster else None))
+                                               cluster.namespace(r) if cluster else None, ticks))
              for r in range(config.workers)]
     for p in procs:
         p.start()
-    if not wait_for_workers(procs, config.timeout_s):
+    stall = _StallWatch(ticks, config.stall_s) if ticks is not None else None
+    if not wait_for_workers(procs, config.timeout_s, stalled=stall):
+        if stall is not None and stall.fired:
+            raise TimeoutError(f"run {config.name} made no progress for {config.stall_s:g} s (hung)")
         raise TimeoutError(f"run {config.name} did not finish within {config.timeout_s:g} s (hung)")
     failed = [r for r, p in enumerate(procs) if p.exitcode != 0]
     if failed:
         raise RuntimeError(f"worker(s) {failed} failed (exit codes {[procs[r].exitcode for r in failed]}); "
                            f"see the messages above")
     return json.loads((run_dir(config) / "summary.json").read_text())
+
+
+class _StallWatch:
+    """True once the workers' tick counters have not moved for ``limit_s`` seconds.
+
+    Armed by the first tick, so the start-up (imports, data, rendezvous) is left to the overall timeout.
+    A hung collective stops every rank, a frozen peer stops the others at their next collective.
+    """
+
+    def __init__(self, ticks, limit_s: float):
+        self.ticks, self.limit_s = ticks, limit_s
+        self.seen, self.since, self.fired = 0, time.monotonic(), False
+
+    def __call__(self) -> bool:
+        total, now = sum(self.ticks), time.monotonic()
+        if total != self.seen:
+            self.seen, self.since = total, now
+        self.fired = total > 0 and now - self.since > self.limit_s
+        return self.fired
 
 
 class _Writer:
@@ -200,7 +227,7 @@ def _loss_and_correct(model, x, y, language_model: bool):
 
 
 @torch.no_grad()
-def _evaluate(model, dataset, rank, world, device, language_model, batch_size=512):
+def _evaluate(model, dataset, rank, world, device, language_model, batch_size=512, tick=lambda: None):
     """Each rank scores its shard; sums are allreduced on the default group (not gradzip's)."""
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64)
@@ -209,6 +236,7 @@ def _evaluate(model, dataset, rank, world, device, language_model, batch_size=51
         x, y = torch.stack(x).to(device), torch.stack(y).to(device)
         loss, correct, count = _loss_and_correct(model, x, y, language_model)
         totals += torch.tensor([loss.item() * count, correct.item(), count], dtype=torch.float64)
+        tick()
     model.train()
     if world > 1:
         dist.all_reduce(totals)
@@ -248,7 +276,7 @@ def _resume_step(directory: Path, rank: int, world: int) -> int:
 
 
 def _worker(rank: int, world: int, config: TrainConfig, torchrun: bool = False,
-            namespace: Optional[str] = None) -> dict:
+            namespace: Optional[str] = None, ticks=None) -> dict:
     if namespace is not None:
         from ..netem import INTERFACE, enter_namespace
 
@@ -267,7 +295,7 @@ def _worker(rank: int, world: int, config: TrainConfig, torchrun: bool = False,
     else:
         dist.init_process_group(backend, rank=rank, world_size=world)
     try:
-        return _train(rank, world, config, device, torchrun)
+        return _train(rank, world, config, device, torchrun, ticks)
     finally:
         dist.destroy_process_group()
 
@@ -301,7 +329,7 @@ def _restart_store(rank: int, world: int):
     return dist.PrefixStore(f"gradzip/restart{restart}/", store)
 
 
-def _train(rank, world, config, device, torchrun):
+def _train(rank, world, config, device, torchrun, ticks=None):
     directory = run_dir(config)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / f"rank{rank}.pid").write_text(str(os.getpid()))
@@ -368,6 +396,11 @@ def _train(rank, world, config, device, torchrun):
 
     progress = _progress(rank == 0 and config.progress, config.epochs * steps_per_epoch,
                          start_epoch * steps_per_epoch + start_batch, config.name)
+
+    def tick():  # for the launcher's stall watch: this rank has finished one more step or test batch
+        if ticks is not None:
+            ticks[rank] += 1
+
     t_start = time.perf_counter()
     epoch_record = None
     step_times: dict = {}  # this process's sums (rank 0), for the summary's mean step breakdown
@@ -408,12 +441,13 @@ def _train(rank, world, config, device, torchrun):
                 for key in _TIMES:
                     step_times[key] = step_times.get(key, 0.0) + record[key]
             progress(loss.item())
+            tick()
             if config.checkpoint_steps and global_step % config.checkpoint_steps == 0:
                 checkpoint(epoch, batch + 1)
         train_s = time.perf_counter() - epoch_t
         if world > 1:
             dist.all_reduce(sums)
-        eval_loss, eval_acc = _evaluate(model, eval_set, rank, world, device, language_model)
+        eval_loss, eval_acc = _evaluate(model, eval_set, rank, world, device, language_model, tick=tick)
         wall = elapsed + time.perf_counter() - t_start
         score = math.exp(min(eval_loss, 50)) if language_model else eval_acc
         if reached is None and config.target is not None and (
