@@ -29,5 +29,23 @@ def test_targets_say_not_met_and_name_crashes():
             e2e.Result("rate=100mbit", "gradzip dgc 0.1%", error="worker(s) [1] failed")]
     lines = "\n".join(e2e.targets(rows))
     assert "4.00x dense (5x: NOT met)" in lines and "2.00x torch fp16 (2.5x: NOT met)" in lines
-    assert "+2.00 points below dense (0.5: NOT met)" in lines
+    assert "accuracy 2.00 points below dense (0.5: NOT met)" in lines
+    rows[2] = e2e.Result("rate=100mbit", "gradzip topk 1%", 1.0, 0.01, 0.81)
+    assert "accuracy 1.00 points above dense (0.5: met)" in "\n".join(e2e.targets(rows))
     assert "completed on every link: NOT met (gradzip dgc 0.1% did not)" in lines
+
+
+def test_plot_marks_a_crashed_contender_in_the_legend(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    legends = []
+    savefig = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: (legends.extend(
+        t.get_text() for ax in fig.axes for t in ax.get_legend().get_texts()), savefig(fig, *a, **k)))
+    rows = [e2e.Result(link, "dense allreduce", t, t / 300, 0.8) for link, t in (("rate=100mbit", 200.0),
+                                                                                   ("unthrottled", 20.0))]
+    rows += [e2e.Result(link, "torch PowerSGD hook", error="worker(s) [0] failed")
+             for link in ("rate=100mbit", "unthrottled")]
+    e2e.plot(rows, str(tmp_path / "plot.png"))
+    assert (tmp_path / "plot.png").stat().st_size > 0
+    assert legends == ["dense allreduce", "torch PowerSGD hook: crashed"]

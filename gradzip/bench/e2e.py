@@ -139,7 +139,7 @@ def targets(results: list[Result]) -> list[str]:
             text += f" (5x: {_ok(speedup >= 5)})"
             if fp16:
                 text += f", {fp16.epoch_s / best.epoch_s:.2f}x torch fp16 (2.5x: {_ok(fp16.epoch_s / best.epoch_s >= 2.5)})"
-            text += f", accuracy {gap:+.2f} points below dense (0.5: {_ok(gap <= 0.5)})"
+            text += f", accuracy {abs(gap):.2f} points {'below' if gap > 0 else 'above'} dense (0.5: {_ok(gap <= 0.5)})"
             passing = [r.label for r in ours if dense.epoch_s >= 5 * r.epoch_s and dense.accuracy - r.accuracy <= 0.005
                        and (fp16 is None or fp16.epoch_s >= 2.5 * r.epoch_s)]
             text += f"; methods meeting all three: {', '.join(passing) or 'none'}"
@@ -174,9 +174,11 @@ def plot(results: list[Result], path: str) -> None:
         if points:
             style = "--" if not label.startswith("gradzip") else "-"
             ax.plot(*zip(*points), style, marker="o", label=label)
-        for r in results:
-            if r.label == label and r.error is not None and r.link in speeds:
-                ax.plot([speeds[r.link]], [ax.get_ylim()[1]], "x", color="red")
+    top = ax.get_ylim()[1]  # crashes have no time: mark them along the top, one legend entry per contender
+    for label, marker in zip(dict.fromkeys(r.label for r in results if r.error is not None and r.link in speeds),
+                             "xX+*"):
+        xs = [speeds[r.link] for r in results if r.label == label and r.error is not None and r.link in speeds]
+        ax.plot(xs, [top] * len(xs), marker, color="red", markersize=9, linestyle="none", label=f"{label}: crashed")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xticks(list(speeds.values()), ["100 Mbit/s", "1 Gbit/s", "10 Gbit/s", "unthrottled"])
