@@ -133,36 +133,61 @@ def test_a_run_past_its_timeout_is_stopped_and_reported(tmp_path):
     assert time.time() - start < 30
 
 
+def _signal_a_worker_after_steps(metrics: Path, sig: int, steps: int = 5):
+    """Start a thread that sends ``sig`` to one worker once ``metrics`` holds ``steps`` step lines;
+    returns the thread and a dict that gets the time it was sent ('at')."""
+    import multiprocessing
+    import threading
+
+    sent = {}
+
+    def send():
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if metrics.exists() and metrics.read_text().count('"kind": "step"') >= steps:
+                os.kill(multiprocessing.active_children()[-1].pid, sig)
+                sent["at"] = time.time()
+                return
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    return thread, sent
+
+
 def test_a_frozen_peer_is_reported_as_hung_once_no_rank_makes_progress(tmp_path):
     """SIGSTOP one worker (a frozen host): the other blocks in its next allreduce, the ticks stop, and
     the launcher stops both after ``stall_s``, long before the overall timeout."""
     import multiprocessing
-    import threading
 
     from gradzip.harness.trainer import TrainConfig, launch
 
     config = TrainConfig(model="mlp", dataset="digits", workers=2, epochs=50, batch_size=16, timeout_s=300.0,
                          stall_s=3.0, progress=False, out_dir=str(tmp_path), name="frozen")
-    metrics = tmp_path / "frozen" / "metrics.jsonl"
-    frozen = {}
-
-    def freeze_a_worker_after_some_steps():
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            if metrics.exists() and metrics.read_text().count('"kind": "step"') >= 5:
-                victim = multiprocessing.active_children()[-1]
-                os.kill(victim.pid, signal.SIGSTOP)
-                frozen["at"] = time.time()
-                return
-            time.sleep(0.05)
-
-    thread = threading.Thread(target=freeze_a_worker_after_some_steps, daemon=True)
-    thread.start()
+    thread, frozen = _signal_a_worker_after_steps(tmp_path / "frozen" / "metrics.jsonl", signal.SIGSTOP)
     with pytest.raises(TimeoutError, match="made no progress for 3 s"):
         launch(config)
     thread.join()
     assert "at" in frozen, "the run ended before a worker could be frozen"
     assert 3.0 < time.time() - frozen["at"] < 60.0
+    assert multiprocessing.active_children() == [], "a worker outlived the launcher"
+
+
+def test_a_crashed_worker_is_reported_with_the_signal_that_ended_it(tmp_path):
+    """A worker that aborts (as a native crash does) is named with its rank and SIGABRT, not a bare -6;
+    its peer is stopped too instead of waiting in the next allreduce."""
+    import multiprocessing
+
+    from gradzip.harness.trainer import TrainConfig, launch
+
+    config = TrainConfig(model="mlp", dataset="digits", workers=2, epochs=50, batch_size=16, timeout_s=300.0,
+                         progress=False, out_dir=str(tmp_path), name="crash")
+    thread, aborted = _signal_a_worker_after_steps(tmp_path / "crash" / "metrics.jsonl", signal.SIGABRT)
+    with pytest.raises(RuntimeError, match=r"rank \d: SIGABRT") as failure:
+        launch(config)
+    thread.join()
+    assert "at" in aborted, "the run ended before a worker could be aborted"
+    assert "once one fails the others are killed" in str(failure.value)
     assert multiprocessing.active_children() == [], "a worker outlived the launcher"
 
 
@@ -179,6 +204,16 @@ def test_the_stall_watch_is_armed_by_the_first_tick_and_reset_by_every_tick():
     assert watch() and watch.fired
     ticks[0] += 1
     assert not watch() and not watch.fired
+
+
+def test_exit_codes_read_as_exits_or_signal_names():
+    from gradzip.harness.trainer import _exit_text
+
+    assert _exit_text(0) == "exit 0"
+    assert _exit_text(1) == "exit 1"
+    assert _exit_text(-signal.SIGKILL) == "SIGKILL"
+    assert _exit_text(-signal.SIGABRT) == "SIGABRT"
+    assert _exit_text(-200) == "signal 200"
 
 
 @pytest.mark.parametrize("key", ["timeout_s", "stall_s"])

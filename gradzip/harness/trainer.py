@@ -14,6 +14,7 @@ import dataclasses
 import json
 import math
 import os
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -138,9 +139,20 @@ def _spawn(config: TrainConfig, cluster) -> dict:
         raise TimeoutError(f"run {config.name} did not finish within {config.timeout_s:g} s (hung)")
     failed = [r for r, p in enumerate(procs) if p.exitcode != 0]
     if failed:
-        raise RuntimeError(f"worker(s) {failed} failed (exit codes {[procs[r].exitcode for r in failed]}); "
+        how = ", ".join(f"rank {r}: {_exit_text(procs[r].exitcode)}" for r in failed)
+        raise RuntimeError(f"worker(s) {failed} failed ({how}); once one fails the others are killed (SIGKILL); "
                            f"see the messages above")
     return json.loads((run_dir(config) / "summary.json").read_text())
+
+
+def _exit_text(code: int) -> str:
+    """A worker's exit code as a reader wants it: 'exit 1', or the signal that ended it ('SIGABRT')."""
+    if code >= 0:
+        return f"exit {code}"
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
 
 
 class _StallWatch:
