@@ -214,6 +214,8 @@ def bench_e2e(
     only: Optional[str] = typer.Option(None, help="comma-separated contender labels to run (default: all)"),
     out: Optional[str] = typer.Option(None, help="also write the Markdown table here"),
     out_dir: str = "runs/bench-e2e",
+    repeats: int = typer.Option(1, min=1, help="run all contenders this many times in turn per link; the table "
+                                               "gives medians, and each ratio's median and range over repeats"),
 ):
     """Epoch time, step time and accuracy of dense, PyTorch's hooks, the no-communication limit and
     gradzip's methods on emulated links (needs root for --link rate=...)."""
@@ -229,7 +231,7 @@ def bench_e2e(
             raise typer.Exit(2)
         contenders = [c for c in contenders if c[0] in wanted]
     results = e2e.run(links=links, workers=workers, steps=steps, lr=lr, out_dir=out_dir, contenders=contenders,
-                      test_size=test_size, log=typer.echo)
+                      test_size=test_size, repeats=repeats, log=typer.echo)
     e2e.save(results, f"{out_dir}/results.json")
     text = e2e.table(results, steps, workers)
     typer.echo(text)

@@ -1,6 +1,8 @@
 """The end-to-end benchmark's own code: one tiny unthrottled run, the table and the target lines."""
 from __future__ import annotations
 
+import pytest
+
 from gradzip.bench import e2e
 
 
@@ -49,3 +51,52 @@ def test_plot_marks_a_crashed_contender_in_the_legend(tmp_path, monkeypatch):
     e2e.plot(rows, str(tmp_path / "plot.png"))
     assert (tmp_path / "plot.png").stat().st_size > 0
     assert legends == ["dense allreduce", "torch PowerSGD hook: crashed"]
+
+
+def test_repeats_run_in_turn_under_their_own_names(tmp_path):
+    contenders = [c for c in e2e.CONTENDERS if c[0] in ("dense allreduce", "gradzip topk 1%")]
+    lines = []
+    results = e2e.run(links=["unthrottled"], workers=2, steps=4, contenders=contenders, test_size=100,
+                      out_dir=str(tmp_path), repeats=2, log=lines.append)
+    assert [(r.label, r.repeat) for r in results] == [("dense allreduce", 0), ("gradzip topk 1%", 0),
+                                                      ("dense allreduce", 1), ("gradzip topk 1%", 1)]
+    assert all(r.error is None for r in results)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["unthrottled-dense_allreduce-r0", "unthrottled-dense_allreduce-r1",
+                                                         "unthrottled-gradzip_topk_1%-r0", "unthrottled-gradzip_topk_1%-r1"]
+    assert "gradzip topk 1%-r1" in lines[-1]
+    assert "Median of 2 repeats" in e2e.table(results, 4, 2)
+    e2e.save(results, str(tmp_path / "r.json"))
+    assert e2e.load(str(tmp_path / "r.json")) == results
+
+
+def test_repeats_give_medians_and_ratios_paired_within_each_repeat():
+    def repeat(k, dense_s, auto_s):
+        return [e2e.Result("unthrottled", "dense allreduce", dense_s, dense_s / 300, 0.86, repeat=k),
+                e2e.Result("unthrottled", "gradzip auto", auto_s, auto_s / 300, 0.85 + k / 1000, repeat=k,
+                           note="none x8")]
+
+    # The machine drifts between repeats: auto is 2%, 4% and 3% slower than dense in the same repeat.
+    rows = repeat(0, 20.0, 20.4) + repeat(1, 25.0, 26.0) + repeat(2, 22.0, 22.66)
+    dense, auto = e2e.medians(rows)
+    assert (dense.epoch_s, auto.epoch_s, auto.accuracy, auto.note) == (22.0, 22.66, 0.851, "none x8")
+    assert e2e._ratios(rows, "unthrottled", "gradzip auto", "dense allreduce") == pytest.approx([1.02, 1.04, 1.03])
+    text = e2e.table(rows, 300, 4)
+    assert "Median of 3 repeats" in text
+    assert "| gradzip auto | 22.66 | 75.5 | 0.8510 | - | 0.97x (0.96-0.98) | - |" in text
+    assert "auto 1.030x dense's epoch time (1.020x-1.040x over 3 repeats)" in text
+    assert "(at most 1.03x dense: met)" in text
+
+
+def test_a_crash_in_any_repeat_is_reported_as_a_crash():
+    rows = [e2e.Result("unthrottled", "dense allreduce", 20.0, 0.07, 0.86, repeat=k) for k in range(3)]
+    rows += [e2e.Result("unthrottled", "gradzip topk 1%", 21.0, 0.07, 0.85, repeat=0),
+             e2e.Result("unthrottled", "gradzip topk 1%", error="worker(s) [1] failed (rank 1: SIGABRT)", repeat=1),
+             e2e.Result("unthrottled", "gradzip topk 1%", 21.0, 0.07, 0.85, repeat=2)]
+    text = e2e.table(rows, 300, 4)
+    assert "| gradzip topk 1% | crashed: worker(s) [1] failed (rank 1: SIGABRT) (1 of 3 repeats) |" in text
+    assert "completed on every link: NOT met (gradzip topk 1% did not)" in text
+
+
+def test_repeats_must_be_a_positive_integer():
+    with pytest.raises(ValueError, match="repeats must be an integer >= 1, got 0"):
+        e2e.run(links=["unthrottled"], repeats=0)

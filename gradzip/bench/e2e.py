@@ -5,10 +5,17 @@ Fashion-MNIST CNN with every contender — DDP's own allreduce, PyTorch's fp16 a
 no-communication hook (the compute-only limit) and gradzip's methods — for the same number of steps,
 and reports the training epoch time, step time and test accuracy, with ratios against dense and
 against the limit, all measured in the same run.  A contender that crashes is reported as crashed.
+
+With ``repeats`` > 1 the contenders run again, in the same order, that many times per link, and the
+table gives medians.  Ratios are taken within each repeat (dense and a method run minutes apart, not
+half an hour), then the median and range over repeats: on a shared machine the same run moves by a
+few per cent from one launch to the next.
 """
 from __future__ import annotations
 
+import itertools
 import json
+import statistics
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -43,6 +50,7 @@ class Result:
     mb_sent: Optional[float] = None
     error: Optional[str] = None
     note: Optional[str] = None  # auto: which candidates it chose, over how many tensors
+    repeat: int = 0
 
 
 def _choices_note(choices: dict) -> str:
@@ -52,28 +60,33 @@ def _choices_note(choices: dict) -> str:
 
 def run(links=LINKS, workers: int = 4, steps: int = 300, batch_size: int = 32, lr: float = 0.05,
         out_dir: str = "runs/bench-e2e", contenders=CONTENDERS, test_size: Optional[int] = None,
-        log=print) -> list[Result]:
-    """Train every contender on every link; ``test_size`` None evaluates on the whole test set.
+        repeats: int = 1, log=print) -> list[Result]:
+    """Train every contender on every link, ``repeats`` times in turn; ``test_size`` None evaluates on
+    the whole test set.
 
     A contender that has not finished within 4x the first contender's (dense DDP's) time on that link,
     or 2 minutes, is stopped and reported as crashed: a hung peer is a result, not a reason to wait.  So
     is one that makes no step for 20 of the first contender's mean steps, or a minute.
     """
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
     results = []
     for link in links:
         timeout_s, stall_s = max(300.0, 5.0 * steps), None
-        for i, (label, baseline, compressor, params) in enumerate(contenders):
+        for repeat, (i, (label, baseline, compressor, params)) in itertools.product(range(repeats),
+                                                                                   enumerate(contenders)):
+            tag = f"-r{repeat}" if repeats > 1 else ""
+            name = f"{link.replace('=', '-')}-{label.replace(' ', '_')}{tag}"
             config = TrainConfig(compressor=compressor, params=dict(params), baseline=baseline, workers=workers,
                                  epochs=1, max_steps=steps, batch_size=batch_size, lr=lr, test_size=test_size,
                                  netem=None if link == "unthrottled" else link, out_dir=out_dir, timeout_s=timeout_s,
-                                 stall_s=stall_s, name=f"{link.replace('=', '-')}-{label.replace(' ', '_')}",
-                                 progress=False)
+                                 stall_s=stall_s, name=name, progress=False)
             start = time.perf_counter()
             try:
                 launch(config)
             except Exception as exc:  # a crash of a contender is a result, not a benchmark failure
-                results.append(Result(link, label, error=str(exc).splitlines()[0][:200]))
-                log(f"{link:14s} {label:26s} CRASHED: {results[-1].error}")
+                results.append(Result(link, label, error=str(exc).splitlines()[0][:200], repeat=repeat))
+                log(f"{link:14s} {label + tag:26s} CRASHED: {results[-1].error}")
                 continue
             finally:
                 if i == 0:
@@ -83,21 +96,61 @@ def run(links=LINKS, workers: int = 4, steps: int = 300, batch_size: int = 32, l
             summary = json.load(open(f"{out_dir}/{config.name}/summary.json"))
             results.append(Result(link, label, epoch["train_s"], summary["mean_step_s"], epoch["test_accuracy"],
                                   summary["total_bytes_sent"] / 2**20 if baseline is None else None,
-                                  note=_choices_note(summary["choices"]) if "choices" in summary else None))
+                                  note=_choices_note(summary["choices"]) if "choices" in summary else None,
+                                  repeat=repeat))
             r = results[-1]
             if i == 0:
                 stall_s = max(60.0, 20.0 * r.step_s)
-            log(f"{link:14s} {label:26s} epoch {r.epoch_s:7.2f} s  step {1000 * r.step_s:7.1f} ms  "
+            log(f"{link:14s} {label + tag:26s} epoch {r.epoch_s:7.2f} s  step {1000 * r.step_s:7.1f} ms  "
                 f"acc {r.accuracy:.4f}  ({time.perf_counter() - start:.0f} s)" + (f"  [{r.note}]" if r.note else ""))
     return results
 
 
+def medians(results: list[Result]) -> list[Result]:
+    """One row per link and contender: the median of its repeats, or crashed if it crashed in any."""
+    groups: dict[tuple[str, str], list[Result]] = {}
+    for r in results:
+        groups.setdefault((r.link, r.label), []).append(r)
+    rows = []
+    for (link, label), runs in groups.items():
+        crashed = [r for r in runs if r.error]
+        if crashed:
+            rows.append(Result(link, label, error=crashed[0].error
+                               + (f" ({len(crashed)} of {len(runs)} repeats)" if len(runs) > 1 else "")))
+            continue
+
+        def median(field):
+            values = [getattr(r, field) for r in runs]
+            return None if None in values else statistics.median(values)
+
+        rows.append(Result(link, label, median("epoch_s"), median("step_s"), median("accuracy"), median("mb_sent"),
+                           note=" | ".join(dict.fromkeys(r.note for r in runs if r.note)) or None))
+    return rows
+
+
+def _ratios(results: list[Result], link: str, numerator: str, denominator: str) -> list[float]:
+    """numerator's epoch time over denominator's, within each repeat in which both finished."""
+    times = {(r.label, r.repeat): r.epoch_s for r in results if r.link == link and r.error is None}
+    return [times[numerator, k] / times[denominator, k] for k in sorted({r.repeat for r in results})
+            if (numerator, k) in times and (denominator, k) in times]
+
+
+def _ratio_text(ratios: list[float], suffix: str = "") -> str:
+    """'1.37x', or with several repeats the median and range: '1.37x (1.31-1.40)'."""
+    text = f"{statistics.median(ratios):.2f}{suffix}"
+    return text + (f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else "")
+
+
 def table(results: list[Result], steps: int, workers: int) -> str:
-    """Markdown: per link, each contender's epoch time and accuracy, and its speed against dense and the limit."""
+    """Markdown: per link, each contender's epoch time and accuracy, and its speed against dense and the limit
+    (with several repeats: medians, and each ratio's median and range over the repeats)."""
+    repeats = len({r.repeat for r in results})
     lines = [f"{workers} workers, Fashion-MNIST CNN, batch 32 per worker, {steps} steps per 'epoch'; test accuracy "
-             f"after them.", ""]
-    for link in dict.fromkeys(r.link for r in results):
-        rows = [r for r in results if r.link == link]
+             f"after them." + (f" Median of {repeats} repeats; ratios within each repeat, then their median "
+                               f"(range)." if repeats > 1 else ""), ""]
+    combined = medians(results)
+    for link in dict.fromkeys(r.link for r in combined):
+        rows = [r for r in combined if r.link == link]
         dense = next((r for r in rows if r.label.startswith("dense") and r.error is None), None)
         limit = next((r for r in rows if r.label.startswith("no communication") and r.error is None), None)
         lines += [f"### {link}", "",
@@ -107,8 +160,8 @@ def table(results: list[Result], steps: int, workers: int) -> str:
             if r.error:
                 lines.append(f"| {r.label} | crashed: {r.error} | | | | | |")
                 continue
-            speed = f"{dense.epoch_s / r.epoch_s:.2f}x" if dense else "-"
-            vs_limit = f"{r.epoch_s / limit.epoch_s:.2f}" if limit else "-"
+            speed = _ratio_text(_ratios(results, link, dense.label, r.label), "x") if dense else "-"
+            vs_limit = _ratio_text(_ratios(results, link, r.label, limit.label)) if limit else "-"
             sent = f"{r.mb_sent:.1f}" if r.mb_sent is not None else "-"
             lines.append(f"| {r.label} | {r.epoch_s:.2f} | {1000 * r.step_s:.1f} | {r.accuracy:.4f} | {sent} | "
                          f"{speed} | {vs_limit} |")
@@ -122,35 +175,43 @@ def _ok(passed: bool) -> str:
 
 
 def targets(results: list[Result]) -> list[str]:
-    """The issue's targets, checked against this run's numbers (lines of Markdown)."""
+    """The issue's targets, checked against this run's numbers (lines of Markdown); with several repeats,
+    against the median over repeats of each ratio taken within a repeat."""
     lines = ["### Targets", ""]
-    by = {(r.link, r.label): r for r in results if r.error is None}
+    by = {(r.link, r.label): r for r in medians(results) if r.error is None}
     for link in dict.fromkeys(r.link for r in results):
         dense, limit = by.get((link, "dense allreduce")), by.get((link, "no communication (limit)"))
         fp16 = by.get((link, "torch fp16 hook"))
         ours = [r for (lk, label), r in by.items() if lk == link and label.startswith("gradzip")]
         if not dense or not ours:
             continue
+
+        def ratio(numerator, denominator):
+            return statistics.median(_ratios(results, link, numerator.label, denominator.label))
+
         best = min(ours, key=lambda r: r.epoch_s)
-        speedup = dense.epoch_s / best.epoch_s
+        speedup = ratio(dense, best)
         text = f"- {link}: fastest gradzip method {best.label}, {speedup:.2f}x dense"
         if link == "rate=100mbit":
             gap = 100 * (dense.accuracy - best.accuracy)
             text += f" (5x: {_ok(speedup >= 5)})"
             if fp16:
-                text += f", {fp16.epoch_s / best.epoch_s:.2f}x torch fp16 (2.5x: {_ok(fp16.epoch_s / best.epoch_s >= 2.5)})"
+                text += f", {ratio(fp16, best):.2f}x torch fp16 (2.5x: {_ok(ratio(fp16, best) >= 2.5)})"
             text += f", accuracy {abs(gap):.2f} points {'below' if gap > 0 else 'above'} dense (0.5: {_ok(gap <= 0.5)})"
-            passing = [r.label for r in ours if dense.epoch_s >= 5 * r.epoch_s and dense.accuracy - r.accuracy <= 0.005
-                       and (fp16 is None or fp16.epoch_s >= 2.5 * r.epoch_s)]
+            passing = [r.label for r in ours if ratio(dense, r) >= 5 and dense.accuracy - r.accuracy <= 0.005
+                       and (fp16 is None or ratio(fp16, r) >= 2.5)]
             text += f"; methods meeting all three: {', '.join(passing) or 'none'}"
         elif link == "rate=1gbit" and limit:
-            text += (f" (1.4x: {_ok(speedup >= 1.4)}), {best.epoch_s / limit.epoch_s:.2f}x the limit "
-                     f"(1.15x: {_ok(best.epoch_s / limit.epoch_s <= 1.15)})")
+            text += (f" (1.4x: {_ok(speedup >= 1.4)}), {ratio(best, limit):.2f}x the limit "
+                     f"(1.15x: {_ok(ratio(best, limit) <= 1.15)})")
         auto = by.get((link, "gradzip auto"))
         if auto:
-            text += f"; auto {auto.epoch_s / dense.epoch_s:.3f}x dense's epoch time, {auto.epoch_s / best.epoch_s:.2f}x the fastest"
+            spread = _ratios(results, link, auto.label, dense.label)
+            text += f"; auto {ratio(auto, dense):.3f}x dense's epoch time" + (
+                f" ({min(spread):.3f}x-{max(spread):.3f}x over {len(spread)} repeats)" if len(spread) > 1 else "")
+            text += f", {ratio(auto, best):.2f}x the fastest"
             if link == "unthrottled":
-                text += f" (at most 1.03x dense: {_ok(auto.epoch_s <= 1.03 * dense.epoch_s)})"
+                text += f" (at most 1.03x dense: {_ok(ratio(auto, dense) <= 1.03)})"
         lines.append(text)
     crashed = sorted({r.label for r in results if r.error and r.label.startswith("gradzip")})
     lines.append(f"- every gradzip method completed on every link: {_ok(not crashed)}"
@@ -166,6 +227,7 @@ def plot(results: list[Result], path: str) -> None:
     from matplotlib.figure import Figure
 
     speeds = {"rate=100mbit": 0.1, "rate=1gbit": 1.0, "rate=10gbit": 10.0, "unthrottled": 40.0}
+    results = medians(results)
     fig = Figure(figsize=(8, 5))
     ax = fig.add_subplot()
     for label in dict.fromkeys(r.label for r in results):
