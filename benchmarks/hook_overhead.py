@@ -6,6 +6,12 @@ worker processes, so that drift of a shared machine hits all of them alike.
     python benchmarks/hook_overhead.py --steps 80 --blocks 6
 
 Prints each variant's mean and best block step time and its ratio to DDP's own allreduce.
+
+    python benchmarks/hook_overhead.py --breakdown
+
+instead times each part of gradzip's dense path (the steps of ``gradzip.hook._comm_hook`` when a
+bucket is sent densely), per bucket, in one process (world size 1), for ``none`` and for auto after it
+chose dense.
 """
 from __future__ import annotations
 
@@ -83,12 +89,68 @@ def _worker(rank, world, port, steps, blocks, out):
     dist.destroy_process_group()
 
 
+def _breakdown(steps: int = 100) -> None:
+    """Median microseconds per bucket of each part of the hook's dense path, in one process."""
+    import gradzip
+    from gradzip.collectives import free_port
+    from gradzip.harness.data import load_dataset
+    from gradzip.harness.models import build_model
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    _, info = load_dataset("fashion-mnist", train=False)
+    x, y = torch.randn(32, 1, 28, 28), torch.randint(0, 10, (32,))
+    for method in ("none", "auto"):
+        parts: dict[str, list[float]] = {}
+
+        def timed(label, fn):
+            start = time.perf_counter()
+            value = fn()
+            parts.setdefault(label, []).append(time.perf_counter() - start)
+            return value
+
+        def dense_path(state, bucket):  # gradzip.hook._comm_hook's dense path, one part at a time
+            grads = timed("bucket.gradients()", bucket.gradients)
+            named = timed("names", lambda: [(state.param_names[p], g) for p, g in zip(bucket.parameters(), grads)])
+            buffer = bucket.buffer()
+            assert timed("state.sends_dense()", lambda: state.sends_dense(named)), "not a dense bucket"
+            timed("state.record_dense()", lambda: state.record_dense(named))
+            timed("divide", lambda: buffer.div_(dist.get_world_size(state.dense_group)))
+            fut = timed("allreduce call (world size 1)",
+                        lambda: dist.all_reduce(buffer, group=state.dense_group, async_op=True).get_future())
+            return timed("future.then()", lambda: fut.then(lambda f: f.value()[0]))
+
+        step = 0
+        original = gradzip.hook._comm_hook
+        # Timed from step 60: auto has chosen by then, and DDP has rebuilt its buckets.
+        gradzip.hook._comm_hook = lambda state, bucket: (dense_path if step >= 60 else original)(state, bucket)
+        try:
+            torch.manual_seed(0)
+            net = nn.parallel.DistributedDataParallel(build_model("cnn", info))
+            gradzip.register(net, method)
+        finally:
+            gradzip.hook._comm_hook = original
+        opt = torch.optim.SGD(net.parameters(), lr=0.01)
+        for step in range(steps):
+            opt.zero_grad()
+            nn.functional.cross_entropy(net(x), y).backward()
+            opt.step()
+        print(f"{method}: median us per bucket:", ", ".join(f"{label} {1e6 * statistics.median(t):.0f}"
+                                                            for label, t in parts.items()))
+    dist.destroy_process_group()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=80, help="timed steps per block")
     parser.add_argument("--blocks", type=int, default=6, help="blocks per variant, alternating")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="instead, time each part of gradzip's dense path per bucket, in one process")
     args = parser.parse_args()
+    if args.breakdown:
+        return _breakdown()
     from gradzip.collectives import free_port
 
     ctx = mp.get_context("spawn")
