@@ -52,6 +52,12 @@ def test_plot_marks_a_crashed_contender_in_the_legend(tmp_path, monkeypatch):
     assert (tmp_path / "plot.png").stat().st_size > 0
     assert legends == ["dense allreduce", "torch PowerSGD hook: crashed"]
 
+    legends.clear()  # more crashed contenders than crash markers: every one still gets its entry
+    crashed = [f"gradzip method {k}" for k in range(6)]
+    e2e.plot(rows[:2] + [e2e.Result("unthrottled", label, error="worker(s) [0] failed") for label in crashed],
+             str(tmp_path / "plot6.png"))
+    assert legends == ["dense allreduce"] + [f"{label}: crashed" for label in crashed]
+
 
 def test_repeats_run_in_turn_under_their_own_names(tmp_path):
     contenders = [c for c in e2e.CONTENDERS if c[0] in ("dense allreduce", "gradzip topk 1%")]

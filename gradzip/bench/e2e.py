@@ -238,7 +238,7 @@ def plot(results: list[Result], path: str) -> None:
             ax.plot(*zip(*points), style, marker="o", label=label)
     top = ax.get_ylim()[1]  # crashes have no time: mark them along the top, one legend entry per contender
     for label, marker in zip(dict.fromkeys(r.label for r in results if r.error is not None and r.link in speeds),
-                             "xX+*"):
+                             itertools.cycle("xX+*")):
         xs = [speeds[r.link] for r in results if r.label == label and r.error is not None and r.link in speeds]
         ax.plot(xs, [top] * len(xs), marker, color="red", markersize=9, linestyle="none", label=f"{label}: crashed")
     ax.set_xscale("log")
