@@ -217,7 +217,7 @@ def test_exit_codes_read_as_exits_or_signal_names():
 
 
 @pytest.mark.parametrize("key", ["timeout_s", "stall_s"])
-@pytest.mark.parametrize("value", [0, -1.0])
+@pytest.mark.parametrize("value", [0, -1.0, "10", True])
 def test_time_limits_must_be_positive(key, value):
     from gradzip.harness.trainer import TrainConfig
 

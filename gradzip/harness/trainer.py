@@ -86,8 +86,9 @@ class TrainConfig:
         if self.baseline is not None and (self.compressor != "none" or self.integration != "ddp"):
             raise ValueError("a baseline hook replaces gradzip: use it with compressor 'none' and integration 'ddp'")
         for key in ("timeout_s", "stall_s"):
-            if getattr(self, key) is not None and not getattr(self, key) > 0:
-                raise ValueError(f"{key} must be a number of seconds > 0 or None, got {getattr(self, key)!r}")
+            value = getattr(self, key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+                raise ValueError(f"{key} must be a number of seconds > 0 or None, got {value!r}")
         if not 0 <= self.validation < 1:
             raise ValueError(f"validation must be a fraction in [0, 1), got {self.validation!r}")
         self.synthetic_shape = tuple(self.synthetic_shape)
