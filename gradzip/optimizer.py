@@ -54,25 +54,43 @@ def guard_momentum(state: GradzipState, params: Iterable[torch.Tensor]) -> None:
         _guard_handle = register_optimizer_step_pre_hook(_check_no_optimizer_momentum)
 
 
-class DistributedOptimizer:
+class DistributedOptimizer(torch.optim.Optimizer):
     """``DistributedOptimizer(optimizer, model.named_parameters(), compressor="topk", ratio=0.01)``.
 
+    A ``torch.optim.Optimizer`` that wraps ``optimizer`` (it is not copied: ``param_groups``, ``defaults``
+    and ``state`` are the wrapped optimizer's own objects), so LR schedulers, ``torch.amp.GradScaler``,
+    ``state_dict`` and hooks work as with any optimizer.  As with DDP, when ``backward()`` returns, ``p.grad``
+    holds the gradient averaged over the workers (identical on every rank), so ``GradScaler.unscale_`` and
+    ``clip_grad_norm_`` see the average.  gradzip's own compression state is ``gradzip_state``.
+
     ``backward_passes_per_step``: gradients of that many backward passes are accumulated locally and
-    exchanged once (their sum is averaged over workers, as in Horovod).  ``bucket_cap_mb`` bounds the fused
-    buckets.  Other keyword arguments are the compressor's parameters.  Weight decay and any other
-    optimizer term stay local: the optimizer applies them to the averaged gradient.
+    exchanged at the end of the last one (their sum is averaged over workers, as in Horovod).
+    ``bucket_cap_mb`` bounds the fused buckets.  Other keyword arguments are the compressor's parameters.
+    Weight decay and any other optimizer term stay local: the optimizer applies them to the averaged
+    gradient.  If any rank's gradients hold NaN or Inf, every rank gets NaN gradients for that step, so
+    ``GradScaler`` skips it everywhere.
     """
+
+    # GradScaler unscales and checks the averaged gradients itself, then calls step() (a fused inner
+    # optimizer is then given unscaled gradients, which it handles).
+    _step_supports_amp_scaling = False
 
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters=None, compressor="none", *,
                  backward_passes_per_step: int = 1, bucket_cap_mb: float = 25.0,
                  group: Optional[dist.ProcessGroup] = None, seed: int = 0, **params):
+        from collections import OrderedDict
+
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(optimizer, DistributedOptimizer):
+            raise TypeError("optimizer is already a gradzip.DistributedOptimizer")
         if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step!r}")
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
         in_optimizer = [p for g in optimizer.param_groups for p in g["params"]]
         if named_parameters is None:
-            named = [(f"param.{i}", p) for i, p in enumerate(in_optimizer)]
+            named = [(f"param.{i}", p) for i, p in enumerate(in_optimizer) if p.requires_grad]
         else:
             named = [(n, p) for n, p in named_parameters if p.requires_grad]
         names = [n for n, _ in named]
@@ -82,26 +100,94 @@ class DistributedOptimizer:
         missing = [n for n, p in named if p not in known]
         if missing:
             raise ValueError(f"parameters not in the optimizer: {', '.join(missing[:5])}")
+        # What torch.optim.Optimizer.__init__ sets up, except the parameters: param_groups, defaults and
+        # state are properties reading the wrapped optimizer (its load_state_dict replaces the objects).
         self.optimizer = optimizer
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        self._patch_step_function()  # step() runs the global and this wrapper's step hooks
+        self._warned_capturable_if_run_uncaptured = True
+
         if params.get("transport") is None:
             group = own_group(group)
-        self.state = GradzipState(compressor, group=group, seed=seed, **params)
+        self.gradzip_state = GradzipState(compressor, group=group, seed=seed, **params)
         self.backward_passes_per_step = backward_passes_per_step
-        self._buckets = _buckets(named, bucket_cap_mb * 2**20)
-        self._bucket_of = {p: b for b, members in enumerate(self._buckets) for _, p in members}
+        self._cap_bytes = bucket_cap_mb * 2**20
+        self._buckets: list = []
+        self._bucket_of: dict = {}
+        self._handles: list = []
         self._counts: dict = {}
         self._futures: dict[int, torch.futures.Future] = {}
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for _, p in named]
-        guard_momentum(self.state, [p for _, p in named])
+        self._passes = 0                # backward passes that produced gradients since the last exchange
+        self._callback_queued = False   # the end-of-backward callback of the running pass
+        self._synchronized = False      # p.grad holds an average produced since the last step()
+        self._add_parameters(named)
 
-    # Delegation keeps the wrapper a drop-in replacement (param_groups, state, add_param_group, ...).
+    # param_groups, defaults and state are the wrapped optimizer's very objects.
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value):
+        self.optimizer.param_groups = value
+
+    @property
+    def defaults(self):
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value):
+        self.optimizer.defaults = value
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value):
+        self.optimizer.state = value
+
     def __getattr__(self, name):
-        return getattr(self.__dict__["optimizer"], name)
+        # Anything else the wrapped optimizer has (its own methods and attributes).
+        try:
+            inner = self.__dict__["optimizer"]
+        except KeyError:
+            raise AttributeError(name) from None
+        return getattr(inner, name)
 
+    def __repr__(self) -> str:
+        return f"DistributedOptimizer({self.optimizer!r}, compressor={self.gradzip_state.compressor.name!r})"
+
+    def _add_parameters(self, named) -> None:
+        """Bucket these parameters after the existing buckets and hook them."""
+        first = len(self._buckets)
+        self._buckets.extend(_buckets(named, self._cap_bytes))
+        for b in range(first, len(self._buckets)):
+            for _, p in self._buckets[b]:
+                self._bucket_of[p] = b
+        self._handles.extend(p.register_post_accumulate_grad_hook(self._on_grad) for _, p in named)
+        guard_momentum(self.gradzip_state, [p for _, p in named])
+
+    # -- the exchange, driven by autograd ---------------------------------------------------------------
     def _on_grad(self, p: torch.Tensor) -> None:
+        if not self._callback_queued:
+            # Runs when this backward pass ends, before backward() returns (as DDP's reducer does).
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         self._counts[p] = self._counts.get(p, 0) + 1
         if self._counts[p] == self.backward_passes_per_step:
             self._submit_ready()
+
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        self._passes += 1
+        if self._passes >= self.backward_passes_per_step:
+            self._finish()
 
     def _ready(self, b: int) -> bool:
         return all(self._counts.get(p, 0) >= self.backward_passes_per_step for _, p in self._buckets[b])
@@ -115,37 +201,106 @@ class DistributedOptimizer:
                 if p.grad is None:  # unused on this rank: contributes zeros, gets the average
                     p.grad = torch.zeros_like(p)
                 named.append((name, p.grad))
-            self._futures[b] = self.state.submit(named, lambda aggregates: aggregates)
+            self._futures[b] = self.gradzip_state.submit(named, lambda aggregates: aggregates)
             b += 1
 
-    def synchronize(self) -> None:
-        """Finish all exchanges and write the averaged gradients into ``p.grad``."""
-        self._submit_ready(force=True)
-        for b, fut in sorted(self._futures.items()):
-            for (_, p), aggregate in zip(self._buckets[b], fut.wait()):
-                p.grad.copy_(aggregate)
-        self._futures.clear()
-        self._counts.clear()
+    def _pending(self) -> bool:
+        return bool(self._counts or self._futures or self._passes)
 
-    def step(self, closure=None):
-        self.synchronize()
-        return self.optimizer.step(closure)
+    def _finish(self) -> None:
+        """Submit the buckets still due (unused parameters: zeros), wait for all, write ``p.grad``."""
+        try:
+            self._submit_ready(force=True)
+            with torch.no_grad():
+                for b, fut in sorted(self._futures.items()):
+                    for (_, p), aggregate in zip(self._buckets[b], fut.wait()):
+                        p.grad.copy_(aggregate)
+        finally:
+            self._futures.clear()
+            self._counts.clear()
+            self._passes = 0
+        self._synchronized = True
+
+    def synchronize(self) -> None:
+        """Finish all exchanges and write the averaged gradients into ``p.grad``.
+
+        The end of the backward pass that completes a step does this by itself, so this is needed only
+        to average early (fewer than ``backward_passes_per_step`` passes) or gradients set without
+        backward; when ``p.grad`` already holds this step's average it does nothing.
+        """
+        if self._synchronized and not self._pending():
+            return
+        self._finish()
+
+    # -- torch.optim.Optimizer interface ----------------------------------------------------------------
+    def step(self, closure=None, **kwargs):
+        # Exchange here only what backward left pending (fewer passes than backward_passes_per_step), or
+        # gradients that no backward produced since the last step (set by hand).  With a closure the
+        # closure's own backward exchanges its gradients.
+        if self._pending() or (closure is None and not self._synchronized):
+            self._finish()
+        try:
+            if closure is None:
+                return self.optimizer.step(**kwargs)
+            return self.optimizer.step(closure, **kwargs)
+        finally:
+            self._synchronized = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
-    def set_epoch(self, epoch: int) -> None:
-        self.state.set_epoch(epoch)
-
-    def stats(self) -> dict:
-        return self.state.stats()
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a parameter group to the wrapped optimizer; its parameters are exchanged like the others,
+        in buckets after the existing ones, named by the group's ``param_names`` if it has them, else
+        ``param_group{g}.{i}``."""
+        groups = self.optimizer.param_groups
+        g = len(groups)
+        self.optimizer.add_param_group(param_group)
+        added = groups[g]
+        names = added.get("param_names") or [f"param_group{g}.{i}" for i in range(len(added["params"]))]
+        named = [(n, p) for n, p in zip(names, added["params"]) if p.requires_grad]
+        taken = {n for bucket in self._buckets for n, _ in bucket}
+        clash = [n for n, _ in named if n in taken]
+        if clash or len({n for n, _ in named}) != len(named):
+            groups.pop(g)
+            raise ValueError(f"parameter names already in use: {', '.join(clash[:5]) or 'duplicates in the group'}")
+        self._add_parameters(named)
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "gradzip": self.state.state_dict()}
+        """The wrapped optimizer's ``state_dict()`` plus ``"gradzip"``: ``gradzip_state.state_dict()``."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        state_dict = dict(self.optimizer.state_dict())
+        state_dict["gradzip"] = self.gradzip_state.state_dict()
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
 
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.state.load_state_dict(state["gradzip"])
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a :meth:`state_dict`; a plain state dict of the wrapped optimizer (no ``"gradzip"``)
+        loads into it and leaves the gradzip state as it is."""
+        state_dict = dict(state_dict)
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        gradzip_state = state_dict.pop("gradzip", None)
+        if "optimizer" in state_dict and "param_groups" not in state_dict:
+            state_dict = state_dict["optimizer"]  # saved by gradzip < this version
+        self.optimizer.load_state_dict(state_dict)
+        if gradzip_state is not None:
+            self.gradzip_state.load_state_dict(gradzip_state)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    # -- gradzip ----------------------------------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        self.gradzip_state.set_epoch(epoch)
+
+    def stats(self) -> dict:
+        return self.gradzip_state.stats()
 
 
 def _buckets(named, cap_bytes):

@@ -34,7 +34,7 @@ def test_dgc_with_plain_sgd_and_local_weight_decay_steps():
     nn.functional.cross_entropy(model(x), y).backward()
     opt.step()
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
-    assert "momentum" in next(iter(opt.state.tensors.values()))
+    assert "momentum" in next(iter(opt.gradzip_state.tensors.values()))
 
 
 def test_world_size_one_applies_compression_and_feedback():
@@ -43,13 +43,15 @@ def test_world_size_one_applies_compression_and_feedback():
     opt = gradzip.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
                                        "topk", ratio=0.1)
     x, y = workers.batch(0, 0)
-    nn.functional.cross_entropy(model(x), y).backward()
-    raw = {n: p.grad.clone() for n, p in model.named_parameters()}
-    opt.synchronize()
+    loss = nn.functional.cross_entropy(model(x), y)
+    names, params = zip(*model.named_parameters())
+    raw = dict(zip(names, torch.autograd.grad(loss, params, retain_graph=True)))  # no hooks: the local gradient
+    loss.backward()  # p.grad holds what was applied when backward returns
+    opt.synchronize()  # nothing pending: does nothing
     for name, p in model.named_parameters():
         sent = p.grad
         assert int((sent != 0).sum()) == max(1, -(-raw[name].numel() // 10))
-        torch.testing.assert_close(sent + opt.state.tensors[name]["residual"], raw[name])
+        torch.testing.assert_close(sent + opt.gradzip_state.tensors[name]["residual"], raw[name])
     stats = opt.stats()
     assert stats["world_size"] == 1
     kept = sum(max(1, -(-p.numel() // 10)) for p in model.parameters())
@@ -62,12 +64,13 @@ def test_backward_passes_per_step_averages_the_accumulated_sum():
         model = _model()
         opt = gradzip.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
                                            "none", backward_passes_per_step=2, transport=transport)
-        local = None
+        local = [torch.zeros_like(p) for p in model.parameters()]
         for micro in range(2):
             x, y = workers.batch(rank, micro)
-            nn.functional.cross_entropy(model(x), y).backward()
-        local = [p.grad.clone() for p in model.parameters()]
-        opt.synchronize()
+            loss = nn.functional.cross_entropy(model(x), y)
+            for acc, g in zip(local, torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)):
+                acc += g
+            loss.backward()  # the second one exchanges the accumulated sum before it returns
         return local, [p.grad.clone() for p in model.parameters()]
 
     results = workers.run_threads(2, work)

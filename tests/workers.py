@@ -88,7 +88,7 @@ def train(rank, world, integration, name, steps, transport=None, delays=False):
         base = torch.optim.SGD(model.parameters(), lr=0.05)
         opt = gradzip.DistributedOptimizer(base, model.named_parameters(), name, bucket_cap_mb=0.004,
                                            transport=transport, **params)
-        state, net = opt.state, model
+        state, net = opt.gradzip_state, model
     if delays:
         state.transport = DelayedTransport(state.transport, seed=rank * 7919 + len(name))
     for step in range(steps):
@@ -296,7 +296,7 @@ def auto_on_a_slow_link(rank, world, steps, busy_after_compressed_s):
     base = torch.optim.SGD(model.parameters(), lr=0.05)
     opt = gradzip.DistributedOptimizer(base, model.named_parameters(), "auto", candidates=["none", "topk:ratio=0.01"],
                                        warmup=0, trials=1, verify=1)
-    state = opt.state
+    state = opt.gradzip_state
     state.transport = EmulatedLink(state.transport, 0.0, 40e-9)  # 0.5 MB of weights: 21 ms dense
     for step in range(steps):
         x = torch.randn(32, 256, generator=torch.Generator().manual_seed(1000 * step + rank))

@@ -372,7 +372,7 @@ def _train(rank, world, config, device, torchrun, ticks=None):
         net = model
         opt = gradzip.DistributedOptimizer(optimizer, model.named_parameters(), config.compressor,
                                            seed=config.seed, **params)
-        state = opt.state
+        state = opt.gradzip_state
 
     sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=config.seed,
                                  drop_last=True)
