@@ -30,8 +30,8 @@ def _check_no_optimizer_momentum(optimizer, args, kwargs):
         if group.get("momentum", 0) or "betas" in group:
             raise ValueError(
                 f"{type(optimizer).__name__} applies its own momentum to parameters whose gradients gradzip "
-                "already momentum-corrected (feedback='momentum', as in DGC); use torch.optim.SGD with "
-                "momentum=0 and give momentum/nesterov to the compressor instead"
+                "already applies momentum to (DGC's momentum correction, Signum); use torch.optim.SGD with "
+                "momentum=0 and give the momentum to the compressor instead"
             )
 
 
@@ -46,7 +46,7 @@ def own_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]
 def guard_momentum(state: GradzipState, params: Iterable[torch.Tensor]) -> None:
     """Make double momentum a checked error: any optimizer stepping these parameters with momentum raises."""
     global _guard_handle
-    if state.compressor.feedback != "momentum":
+    if not state.compressor.applies_momentum:
         return
     for p in params:
         _momentum_corrected[p] = True

@@ -50,7 +50,7 @@ class GradzipState:
         self.compressor = make(compressor, **params)
         self.transport = transport if transport is not None else transport_for(group)
         self.seed = int(seed)
-        self.epoch = 0
+        self.epoch: Optional[int] = None  # None until set_epoch is called
         self.tensors: dict[str, dict[str, torch.Tensor]] = {}
         self.steps: dict[str, int] = {}
         self.totals = dict.fromkeys(_COUNTERS, 0)
@@ -217,7 +217,7 @@ class GradzipState:
             raise ValueError(f"state_dict is for compressor {state.get('compressor')!r}, "
                              f"this state uses {self.compressor.name!r}")
         self.seed = int(state["seed"])
-        self.epoch = int(state["epoch"])
+        self.epoch = None if state["epoch"] is None else int(state["epoch"])
         self.steps = dict(state["steps"])
         self.tensors = {k: {n: v.clone() for n, v in slot.items()} for k, slot in state["tensors"].items()}
         self.totals.update(state.get("totals", {}))

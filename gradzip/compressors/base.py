@@ -136,7 +136,9 @@ class TensorContext:
     shape: torch.Size
     dtype: torch.dtype
     step: int = 0
-    epoch: int = 0
+    #: The epoch given to ``GradzipState.set_epoch``, or None when the script never calls it (epoch-driven
+    #: schedules then follow ``step``).
+    epoch: Optional[int] = None
     rank: int = 0
     world_size: int = 1
     seed: int = 0
@@ -211,6 +213,12 @@ class Compressor:
         if feedback not in self.feedbacks:
             raise ValueError(f"{self.name}: feedback must be one of {list(self.feedbacks)}, got {feedback!r}")
         self.feedback = feedback
+
+    @property
+    def applies_momentum(self) -> bool:
+        """Whether this method applies momentum itself (DGC's momentum correction, Signum): the
+        optimizer must then add none of its own, and the integrations make that a checked error."""
+        return self.feedback == "momentum"
 
     def compresses(self, ctx: TensorContext) -> bool:
         """Whether this tensor is compressed at all; if not it is averaged densely in fp32."""

@@ -387,7 +387,7 @@ class DGC(Sparsifier):
 
     def select(self, flat, ctx):
         a = magnitudes(flat)
-        density = self.density(ctx.epoch)
+        density = self.density(0 if ctx.epoch is None else ctx.epoch)
         k = math.ceil(density * a.numel())
         if k == 0:
             return torch.empty(0, dtype=torch.long, device=a.device)
