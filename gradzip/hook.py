@@ -1,10 +1,17 @@
-"""DistributedDataParallel integration: ``state = gradzip.register(ddp_model, "powersgd", rank=2)``.
+"""DistributedDataParallel integration: a communication hook.
 
-The hook hands each bucket's gradients (layer by layer, so methods that need a layer's shape get it) to
-the state's communication thread and returns a future at once, so compression and exchange overlap the
-rest of backward.  DDP launches bucket hooks in bucket order on every rank and the thread serves them
-first-in first-out, so the collectives of all buckets are issued in the same order on every rank — even
-for multi-phase methods such as PowerSGD, whose chained future callbacks reorder them in PyTorch's hook.
+Two ways to install it, with the same numerics:
+
+    state = gradzip.register(ddp_model, "powersgd", rank=2)
+    ddp_model.register_comm_hook(gradzip.GradzipState("topk", ratio=0.01), gradzip.ddp_comm_hook)
+
+The second is what frameworks that take a ``(state, hook)`` pair use (Lightning's
+``DDPStrategy(ddp_comm_state=..., ddp_comm_hook=...)``).  The hook hands each bucket's gradients (layer by
+layer, so methods that need a layer's shape get it) to the state's communication thread and returns a
+future at once, so compression and exchange overlap the rest of backward.  DDP launches bucket hooks in
+bucket order on every rank and the thread serves them first-in first-out, so the collectives of all
+buckets are issued in the same order on every rank — even for multi-phase methods such as PowerSGD,
+whose chained future callbacks reorder them in PyTorch's hook.
 """
 
 from typing import Optional
@@ -13,43 +20,72 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from .optimizer import guard_momentum, own_group
+from .optimizer import guard_momentum
 from .state import GradzipState
 
-__all__ = ["register"]
+__all__ = ["register", "ddp_comm_hook"]
 
 
 def register(ddp_model: DistributedDataParallel, compressor="none", *, group: "Optional[dist.ProcessGroup]" = None,
              seed: int = 0, **params) -> GradzipState:
     """Install gradzip as ``ddp_model``'s communication hook and return its state.
 
-    By default gradzip talks over a process group of its own (see :func:`own_group`).
+    gradzip talks over a process group of its own unless ``group`` is given.  The state's keys are
+    the model's parameter names.  Use the state as a context manager, or call ``state.close()``, to
+    stop its thread early; otherwise that happens at ``destroy_process_group()`` or interpreter exit.
     """
     if not isinstance(ddp_model, DistributedDataParallel):
-        raise ValueError(f"register() needs a DistributedDataParallel model, got {type(ddp_model).__name__}")
-    gradzip_group = own_group(group)
-    state = GradzipState(compressor, group=gradzip_group, seed=seed, **params)
+        raise ValueError(
+            f"gradzip.register() needs a torch.nn.parallel.DistributedDataParallel model, got "
+            f"{type(ddp_model).__name__}; gradzip compresses DDP's gradient allreduce (FSDP and FSDP2 "
+            "shard gradients with reduce-scatter, which it does not support); without DDP, wrap the "
+            "optimizer in gradzip.DistributedOptimizer")
+    state = GradzipState(compressor, group=group, seed=seed, **params)
     state.param_names = {p: name for name, p in ddp_model.module.named_parameters()}
     # Buckets that are sent densely go through a plain allreduce on DDP's own group, which gradzip's
     # thread never uses (two threads issuing collectives on one group could interleave them differently
     # on different ranks).
     ddp_group = getattr(ddp_model, "process_group", None)
+    gradzip_group = getattr(state.transport, "group", None)
     state.dense_group = ddp_group if ddp_group is not None and ddp_group is not gradzip_group else None
-    ddp_model.register_comm_hook(state, _comm_hook)
+    ddp_model.register_comm_hook(state, ddp_comm_hook)
     guard_momentum(state, ddp_model.module.parameters())
     return state
 
 
-def _comm_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def _names(state: GradzipState, params) -> list:
+    """The state keys of a bucket's parameters.
+
+    ``register()`` gives the model's parameter names.  A state handed to DDP directly has none, so each
+    parameter is named ``param<i>`` in the order DDP first hands it over: on the first step DDP's
+    buckets follow the model's parameter order (reversed), the same on every rank and in every run of
+    the same script, so a checkpointed state finds its tensors again after a restart.
+    """
+    names = getattr(state, "param_names", None)
+    if names is None:
+        names = state.param_names = {}
+    missing = [p for p in params if p not in names]
+    if missing:
+        for p in missing:
+            names[p] = f"param{len(names)}"
+        guard_momentum(state, missing)
+    return [names[p] for p in params]
+
+
+def ddp_comm_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: ``ddp_model.register_comm_hook(gradzip.GradzipState(...), gradzip.ddp_comm_hook)``."""
+    if not isinstance(state, GradzipState):
+        raise TypeError(f"gradzip.ddp_comm_hook needs a gradzip.GradzipState as its state, got {type(state).__name__}")
     grads = bucket.gradients()
-    named = [(state.param_names[p], g) for p, g in zip(bucket.parameters(), grads)]
+    named = list(zip(_names(state, bucket.parameters()), grads))
     buffer = bucket.buffer()
-    if state.dense_group is not None and state.sends_dense(named):
+    dense_group = getattr(state, "dense_group", None)
+    if dense_group is not None and state.sends_dense(named):
         state.record_dense(named)
         # Divided before the allreduce, here, rather than in the callback on gloo's thread, which must
         # take the GIL for it: about 1% of an unthrottled step (benchmarks/hook_overhead.py).
-        buffer.div_(dist.get_world_size(state.dense_group))
-        fut = dist.all_reduce(buffer, group=state.dense_group, async_op=True).get_future()
+        buffer.div_(dist.get_world_size(dense_group))
+        fut = dist.all_reduce(buffer, group=dense_group, async_op=True).get_future()
         return fut.then(lambda f: f.value()[0])
 
     def write_back(aggregates):

@@ -15,7 +15,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .state import GradzipState
 
-__all__ = ["DistributedOptimizer", "guard_momentum", "own_group"]
+__all__ = ["DistributedOptimizer", "guard_momentum"]
 
 # Parameters whose gradients already carry momentum (DGC's momentum correction).  Keyed by identity:
 # a WeakSet would compare tensors with ==.
@@ -33,14 +33,6 @@ def _check_no_optimizer_momentum(optimizer, args, kwargs):
                 "already applies momentum to (DGC's momentum correction, Signum); use torch.optim.SGD with "
                 "momentum=0 and give the momentum to the compressor instead"
             )
-
-
-def own_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
-    """gradzip talks over a process group of its own (same ranks and backend as the default group) so
-    that its collectives, issued from the communication thread, never interleave with the script's."""
-    if group is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return dist.new_group()
-    return group
 
 
 def guard_momentum(state: GradzipState, params: Iterable[torch.Tensor]) -> None:
@@ -89,6 +81,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
         in_optimizer = [p for g in optimizer.param_groups for p in g["params"]]
+        sharded = [p for p in in_optimizer if type(p).__name__ == "DTensor" or hasattr(p, "_local_tensor")]
+        if sharded:
+            raise ValueError("DistributedOptimizer needs plain (replicated) parameters, got DTensor shards "
+                             "(FSDP2 / tensor parallel), which gradzip does not support; use it with "
+                             "replicated models (no DDP) or gradzip.register() on a DDP model")
         if named_parameters is None:
             named = [(f"param.{i}", p) for i, p in enumerate(in_optimizer) if p.requires_grad]
         else:
@@ -112,8 +109,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._patch_step_function()  # step() runs the global and this wrapper's step hooks
         self._warned_capturable_if_run_uncaptured = True
 
-        if params.get("transport") is None:
-            group = own_group(group)
         self.gradzip_state = GradzipState(compressor, group=group, seed=seed, **params)
         self.backward_passes_per_step = backward_passes_per_step
         self._cap_bytes = bucket_cap_mb * 2**20
@@ -301,6 +296,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def stats(self) -> dict:
         return self.gradzip_state.stats()
+
+    def close(self) -> None:
+        """Stop gradzip's communication thread (see :meth:`GradzipState.close`)."""
+        self.gradzip_state.close()
 
 
 def _buckets(named, cap_bytes):

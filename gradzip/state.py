@@ -7,9 +7,13 @@ was finite, keeps byte and time counters for :meth:`stats`, and saves/restores e
 """
 from __future__ import annotations
 
+import atexit
+import functools
+import os
 import queue
 import threading
 import time
+import weakref
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -48,17 +52,45 @@ class GradzipState:
     def __init__(self, compressor: Compressor | str, *, group: Optional[dist.ProcessGroup] = None,
                  seed: int = 0, transport: Optional[Transport] = None, **params):
         self.compressor = make(compressor, **params)
-        self.transport = transport if transport is not None else transport_for(group)
         self.seed = int(seed)
         self.epoch: Optional[int] = None  # None until set_epoch is called
         self.tensors: dict[str, dict[str, torch.Tensor]] = {}
         self.steps: dict[str, int] = {}
         self.totals = dict.fromkeys(_COUNTERS, 0)
         self.last_report = None
+        self._group = group
+        self._own_group: Optional[dist.ProcessGroup] = None
+        self._transport = transport
         self._worker: Optional[threading.Thread] = None
         self._jobs: "queue.Queue" = queue.Queue()
+        self._lock = threading.Lock()
+        self._closed = False
         self._starts: dict[str, float] = {}  # clock of each tensor's latest exchange start (not saved)
         self._periods: dict[str, tuple] = {}
+        _LIVE.add(self)
+        _install_teardown()
+        if transport is None and dist.is_available() and dist.is_initialized():
+            self._connect()  # now, on the caller's thread, while every rank runs the same code
+
+    @property
+    def transport(self) -> Transport:
+        """Where this state's collectives go; made on first use when the state was built before
+        ``torch.distributed`` was initialised (e.g. handed to Lightning's ``DDPStrategy``)."""
+        if self._transport is None:
+            self._connect()
+        return self._transport
+
+    @transport.setter
+    def transport(self, transport: Transport) -> None:
+        self._transport = transport
+
+    def _connect(self) -> None:
+        group = self._group
+        if group is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            # A process group of gradzip's own (same ranks and backend as the default group): its
+            # collectives, issued from the communication thread, never interleave with the script's.
+            group = self._own_group = dist.new_group()
+        self._transport = transport_for(group)
 
     @property
     def rank(self) -> int:
@@ -91,8 +123,9 @@ class GradzipState:
         """Compress, exchange and aggregate these gradients; returns one aggregate per input.
 
         Every rank must pass the same names with the same shapes in the same order.  If any rank's input
-        holds NaN or Inf, every rank gets all-NaN aggregates for this call and no state changes, so
-        ``torch.amp.GradScaler`` (or any finiteness check) skips the step identically everywhere.
+        holds NaN or Inf, or compression overflowed into one (the aggregate is not finite), every rank
+        gets all-NaN aggregates for this call and no state changes, so ``torch.amp.GradScaler`` (or any
+        finiteness check) skips the step identically everywhere and the previous state is kept.
         """
         self._clock(key for key, _ in named_grads)
         shared: dict = {}
@@ -104,10 +137,16 @@ class GradzipState:
             grads = [torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0) for g in grads]
         gens = [feedback.exchange(self.compressor, g, ctx) for g, ctx in zip(grads, contexts)]
         results, report = run_lockstep(gens, self.transport, nonfinite)
+        outputs = None
+        if not report.nonfinite:
+            outputs = [r.aggregate.reshape(g.shape).to(g.dtype) for r, g in zip(results, grads)]
+            # Compression can overflow where the input did not (a value above 65504 sent as fp16, a sum
+            # in a 16-bit type).  Aggregates are bit-identical on every rank, so this check agrees
+            # everywhere without a collective; the step is then handled as a non-finite input.
+            report.nonfinite = _any_nonfinite(outputs)
         if report.nonfinite:
             outputs = [torch.full_like(g, float("nan")) for g in grads]
         else:
-            outputs = [r.aggregate.reshape(g.shape).to(g.dtype) for r, g in zip(results, grads)]
             for ctx in contexts:
                 self._commit(ctx)
         self._count(report, grads, results)
@@ -170,12 +209,17 @@ class GradzipState:
                done: Callable[[list[torch.Tensor]], object]) -> torch.futures.Future:
         """Run :meth:`exchange` on this state's single communication thread; FIFO keeps the order of
         collectives identical on every rank.  The future gets ``done(aggregates)``'s value."""
+        self.transport  # connect on the caller's thread, never on the communication thread
         fut: torch.futures.Future = torch.futures.Future()
-        if self._worker is None:
-            self._worker = threading.Thread(target=self._serve, args=(torch.get_num_threads(),),
-                                            name="gradzip-comm", daemon=True)
-            self._worker.start()
-        self._jobs.put((list(named_grads), done, fut))
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("this GradzipState is closed (state.close(), the end of its `with` block, "
+                                   "or destroy_process_group()); make a new one to go on training")
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._serve, args=(torch.get_num_threads(),),
+                                                name="gradzip-comm", daemon=True)
+                self._worker.start()
+            self._jobs.put((list(named_grads), done, fut))
         return fut
 
     def _serve(self, num_threads: int) -> None:
@@ -183,11 +227,58 @@ class GradzipState:
         # spinning workers fight the training processes for CPUs.
         torch.set_num_threads(num_threads)
         while True:
-            named, done, fut = self._jobs.get()
+            job = self._jobs.get()
+            if job is None:
+                return
+            named, done, fut = job
             try:
                 fut.set_result(done(self.exchange(named)))
             except BaseException as exc:  # handed to the waiting training loop
                 fut.set_exception(exc)
+            del job, named, done, fut  # hold no tensor while waiting for the next job
+
+    def close(self, timeout: Optional[float] = 60.0) -> None:
+        """Finish the exchanges already submitted, stop the communication thread, and destroy the
+        process group this state made for itself.  Idempotent.
+
+        It runs by itself when ``torch.distributed.destroy_process_group()`` destroys this state's group
+        (or the default one) and before the interpreter exits; with ``with`` it runs at the block's end.
+        Counters, :meth:`stats` and :meth:`state_dict` stay readable; :meth:`submit` then raises.
+        A thread that has not finished after ``timeout`` seconds (a collective waiting for a dead peer)
+        raises ``TimeoutError`` instead of hanging the job.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            worker, self._worker = self._worker, None
+            if worker is not None:
+                self._jobs.put(None)
+        if worker is not None and worker is not threading.current_thread():
+            worker.join(timeout)
+            if worker.is_alive():
+                raise TimeoutError(f"gradzip's communication thread did not finish within {timeout} s "
+                                   "(a collective is waiting for a peer that has stopped)")
+        self._release_group()
+
+    def _release_group(self) -> None:
+        group, self._own_group = self._own_group, None
+        if group is not None and dist.is_initialized() and group in dist.distributed_c10d._world.pg_map:
+            dist.destroy_process_group(group)
+
+    def uses_group(self, group: Optional[dist.ProcessGroup]) -> bool:
+        """Whether destroying ``group`` (None: the default group, which takes every group with it)
+        takes away this state's collectives."""
+        if group is None or group is dist.GroupMember.WORLD:
+            return True
+        transport = self._transport
+        return group is self._own_group or getattr(transport, "group", None) is group
+
+    def __enter__(self) -> "GradzipState":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     # -- reporting and checkpoints -------------------------------------------------------------------
     def stats(self) -> dict:
@@ -221,3 +312,75 @@ class GradzipState:
         self.steps = dict(state["steps"])
         self.tensors = {k: {n: v.clone() for n, v in slot.items()} for k, slot in state["tensors"].items()}
         self.totals.update(state.get("totals", {}))
+
+
+# -- teardown ------------------------------------------------------------------------------------------
+# Every live state, so that they can be closed before their process group or the interpreter goes away.
+_LIVE: "weakref.WeakSet[GradzipState]" = weakref.WeakSet()
+_TEARDOWN_INSTALLED = False
+
+
+def _install_teardown() -> None:
+    """Close live states when ``destroy_process_group`` takes their group and before interpreter exit."""
+    global _TEARDOWN_INSTALLED
+    if _TEARDOWN_INSTALLED:
+        return
+    _TEARDOWN_INSTALLED = True
+    atexit.register(_at_exit)
+    destroy = dist.destroy_process_group
+    if getattr(destroy, "_gradzip_wrapped", None) is None and dist.is_available():
+        @functools.wraps(destroy)
+        def destroy_process_group(group=None):
+            for state in list(_LIVE):
+                if state.uses_group(group):
+                    state.close()  # destroys the group it made for itself
+            if group is not None and group not in dist.distributed_c10d._world.pg_map:
+                return None  # that was such a group
+            return destroy(group)
+
+        destroy_process_group._gradzip_wrapped = destroy
+        dist.destroy_process_group = destroy_process_group
+        dist.distributed_c10d.destroy_process_group = destroy_process_group
+
+
+def _at_exit() -> None:
+    for state in list(_LIVE):
+        try:
+            state.close(timeout=5.0)
+        except Exception:  # the interpreter is exiting: a stuck peer must not keep it alive
+            pass
+    _let_gloo_threads_finish()
+
+
+def _let_gloo_threads_finish(limit_s: float = 1.0) -> None:
+    """Wait (GIL released) until gloo's worker threads are idle, for at most ``limit_s``.
+
+    A gloo worker thread destroys each finished collective right after completing its future, and that
+    may drop a Python reference, which needs the GIL.  If the interpreter is already finalising then,
+    the thread is stopped inside a C++ destructor and the process aborts with "terminate called without
+    an active exception" (SIGABRT), whatever the collective was: plain DDP without gradzip shows it too.
+    Sleeping here lets such a thread finish first.
+    """
+    deadline = time.monotonic() + limit_s
+    time.sleep(0.01)
+    while time.monotonic() < deadline and _gloo_threads_busy():
+        time.sleep(0.01)
+
+
+def _gloo_threads_busy() -> bool:
+    """Whether a gloo worker thread of this process is running or waiting for the GIL (Linux; elsewhere
+    it answers False after the caller's first short sleep)."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return False
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        name, state = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2]
+        if name.startswith("pt_gloo") and state == "R":
+            return True
+    return False
