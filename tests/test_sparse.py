@@ -238,6 +238,60 @@ def test_dgc_warmup_follows_state_epoch():
     assert kept == 10
 
 
+def _dgc_kept_per_step(state, steps, g):
+    """Elements DGC sent in each of ``steps`` exchanges of ``g`` (fp32 values, int16 indices: 6 B each)."""
+    kept = []
+    for _ in range(steps):
+        state.exchange([("w", g)])
+        kept.append(state.last_report.per_tensor_payload[0] // (4 + 2))
+    return kept
+
+
+def test_dgc_warmup_advances_by_steps_without_set_epoch():
+    # warmup_steps=8 over 4 stages: two exchanges per stage, then ratio (10 of 10,000).
+    state = GradzipState("dgc", warmup_steps=8, sample_ratio=1.0, min_numel=0, feedback="none")
+    kept = _dgc_kept_per_step(state, 11, randn(100, 100, seed=5))
+    assert kept == [2500, 2500, 625, 625, 157, 157, 40, 40, 10, 10, 10]
+    assert state.epoch is None and state.steps["w"] == 11
+    # warmup_steps=0: no warm-up at all unless set_epoch says otherwise.
+    state = GradzipState("dgc", warmup_steps=0, sample_ratio=1.0, min_numel=0, feedback="none")
+    assert _dgc_kept_per_step(state, 2, randn(100, 100, seed=5)) == [10, 10]
+
+
+def test_dgc_default_warmup_steps_reach_ratio_after_1000_exchanges():
+    comp = make("dgc")
+    assert comp.warmup_steps == 1000
+    stages = {step: comp.stage(ctx_for((64, 64), step=step)) for step in (0, 249, 250, 500, 999, 1000, 10**6)}
+    assert stages == {0: 0, 249: 0, 250: 1, 500: 2, 999: 3, 1000: 4, 10**6: 4}
+    assert [comp.density(stage) for stage in stages.values()] == [0.25, 0.25, 0.0625, 0.015625, 0.00390625,
+                                                                  0.001, 0.001]
+    # The same through GradzipState's own step counter: 1024 elements, k = ceil(density * 1024).
+    state = GradzipState("dgc", sample_ratio=1.0, min_numel=0, feedback="none")
+    kept = _dgc_kept_per_step(state, 1001, randn(32, 32, seed=6))
+    assert [kept[s] for s in (0, 249, 250, 500, 999, 1000)] == [256, 256, 64, 16, 4, 2]
+
+
+def test_dgc_set_epoch_overrides_the_step_schedule():
+    state = GradzipState("dgc", warmup_steps=4, sample_ratio=1.0, min_numel=0, feedback="none")
+    g = randn(100, 100, seed=5)
+    assert _dgc_kept_per_step(state, 5, g)[-1] == 10  # past the step warm-up
+    for epoch, expected in [(0, 2500), (1, 625), (3, 40), (4, 10)]:
+        state.set_epoch(epoch)
+        assert _dgc_kept_per_step(state, 1, g) == [expected]
+
+
+def test_dgc_step_schedule_survives_state_dict_round_trip():
+    g = randn(100, 100, seed=5)
+    whole = GradzipState("dgc", warmup_steps=8, sample_ratio=1.0, min_numel=0, feedback="none")
+    expected = _dgc_kept_per_step(whole, 10, g)
+    first = GradzipState("dgc", warmup_steps=8, sample_ratio=1.0, min_numel=0, feedback="none")
+    head = _dgc_kept_per_step(first, 3, g)
+    resumed = GradzipState("dgc", warmup_steps=8, sample_ratio=1.0, min_numel=0, feedback="none")
+    resumed.load_state_dict(first.state_dict())
+    assert head + _dgc_kept_per_step(resumed, 7, g) == expected
+    assert expected == [2500, 2500, 625, 625, 157, 157, 40, 40, 10, 10]
+
+
 def test_dgc_hierarchical_top_k_keeps_largest_magnitudes():
     # 100 windows of stride 100: every sampling start sees one offset j of every window, giving a
     # threshold that far more than k = 100 elements pass (unless j is the top offset).  The true top-k
@@ -461,7 +515,8 @@ def test_csc_momentum_feedback_masks_selected_chunks():
     ("dropping", "sample_ratio", 2),
     ("dgc", "ratio", 0), ("dgc", "momentum", 1.0), ("dgc", "momentum", -0.1), ("dgc", "nesterov", 1),
     ("dgc", "clip_norm", 0), ("dgc", "clip_norm", float("inf")), ("dgc", "warmup_epochs", -1),
-    ("dgc", "warmup_epochs", 1.5), ("dgc", "sample_ratio", 0), ("dgc", "min_numel", -1),
+    ("dgc", "warmup_epochs", 1.5), ("dgc", "warmup_steps", -1), ("dgc", "warmup_steps", 2.5),
+    ("dgc", "warmup_steps", None), ("dgc", "sample_ratio", 0), ("dgc", "min_numel", -1),
     ("dgc", "value_dtype", "float64"), ("dgc", "feedback", "bogus"),
     ("csc", "ratio", 0), ("csc", "chunk_size", 0), ("csc", "chunk_size", 2.5), ("csc", "momentum", 1.5),
     ("csc", "nesterov", None), ("csc", "clip_norm", -1.0),

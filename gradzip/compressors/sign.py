@@ -1,15 +1,23 @@
-"""Sign methods: one bit per element, packed eight per byte.
+"""Sign methods: one sign per element, packed densely.
 
-Bit convention (all four methods): bit = 1 where x >= 0, so sign(0) (and sign(-0.0)) is taken as +1;
-one bit cannot carry a third "zero" symbol.  NaN compares false and becomes -1 (non-finite steps are
-discarded by GradzipState anyway).  Bits are packed with :func:`gradzip.bits.pack_bits` (little-endian
-inside a byte), so n elements cost ceil(n / 8) bytes (GRACE spends a whole byte per sign).
+Two sign codes:
 
-All payloads are allgathered: sign bits are not summable.  Every rank decodes the gathered payloads in
+- one bit per element (``onebit``, ``efsignsgd``, and ``signsgd``/``signum`` with ``zeros="plus"``):
+  bit = 1 where x >= 0, so sign(0) (and sign(-0.0)) is taken as +1; NaN compares false and becomes -1
+  (non-finite steps are discarded by GradzipState anyway).  Packed with :func:`gradzip.bits.pack_bits`
+  (little-endian inside a byte): ceil(n / 8) bytes (GRACE spends a whole byte per sign).
+- ternary, sign(x) in {-1, 0, +1} (``signsgd``/``signum``, ``zeros="abstain"``): an exact zero (either
+  sign) is 0; NaN's code is unspecified.  Codes c = sign(x) + 1 are packed five per byte in base 3 (3^5 = 243 <= 256), so n
+  elements cost ceil(n / 5) bytes: 1.6 bits per element, against log2(3) = 1.58 for any exact ternary
+  code and 2 bits for 2-bit codes.  Element i is digit i // m of byte i % m (m = ceil(n / 5)), so packing
+  and unpacking work on five contiguous planes.
+
+All payloads are allgathered: signs are not summable.  Every rank decodes the gathered payloads in
 rank order, so all ranks compute bit-identical aggregates.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -18,6 +26,19 @@ import torch
 from ..bits import pack_bits, packed_nbytes, select, unpack_bits
 from . import register
 from .base import AllGather, Exchanged, GatheredCompressor, TensorContext, workspace
+
+#: How signSGD/Signum read an exact zero: "abstain" (sign 0, ternary code) or "plus" (sign +1, one bit).
+ZEROS = ("abstain", "plus")
+TRITS_PER_BYTE = 5
+
+
+def mean_abs(x: torch.Tensor) -> torch.Tensor:
+    """||x||_1 / n as a 1-element float32 tensor (0 for an empty tensor)."""
+    # Sum / max(n, 1) instead of mean(): an empty tensor gets scale 0, not NaN.
+    # |x| into a reused buffer, unless x's own layout sets the order of the sum.
+    magnitudes = (torch.abs(x, out=workspace("abs", x.numel(), x.dtype, x.device).view(x.shape))
+                  if x.is_contiguous() else x.abs())
+    return (magnitudes.sum(dtype=torch.float32) / max(x.numel(), 1)).reshape(1)
 
 
 def encode_signs(x: torch.Tensor) -> torch.Tensor:
@@ -53,6 +74,64 @@ def vote_of_bits(gathered: list, shape) -> torch.Tensor:
     for (packed,) in gathered[1:]:
         count += unpack_bits(packed, 1, n)
     return count.mul_(2).sub_(world).sign_().float().reshape(shape)
+
+
+def trits_nbytes(n: int) -> int:
+    """Bytes of n ternary codes packed five per byte."""
+    return -(-n // TRITS_PER_BYTE)
+
+
+def encode_trits(x: torch.Tensor) -> torch.Tensor:
+    """sign(x) in {-1, 0, +1} as base-3 digits c = sign + 1, five per byte: byte b holds the codes of
+    elements b, b + m, ..., b + 4m (m = ceil(n / 5)) as sum_j 3^j c_{b + jm} <= 242."""
+    flat = x.reshape(-1)
+    n, device = flat.numel(), flat.device
+    m = trits_nbytes(n)
+    codes = workspace("trits", TRITS_PER_BYTE * m, torch.uint8, device)
+    codes[n:].zero_()  # at most four padding codes, never read back
+    # torch.sign and one conversion: twice as fast on CPUs as the two comparisons x > 0, x >= 0.
+    signs = torch.sign(flat, out=workspace("trits.sign", n, flat.dtype, device))
+    codes[:n].view(torch.int8).copy_(signs)
+    codes[:n].add_(1)
+    planes = codes.view(TRITS_PER_BYTE, m)
+    packed = planes[-1].clone()
+    for j in range(TRITS_PER_BYTE - 2, -1, -1):  # Horner: ((c4 3 + c3) 3 + ...) 3 + c0
+        packed.mul_(3).add_(planes[j])
+    return packed
+
+
+@functools.lru_cache(maxsize=16)
+def _trit_table(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """table[j, b] = digit j of byte b in base 3, minus 1; bytes above 242 never occur."""
+    return torch.tensor([[(b // 3**j) % 3 - 1 for b in range(256)] for j in range(TRITS_PER_BYTE)],
+                        dtype=dtype, device=device)
+
+
+def _add_trits(out: torch.Tensor, packed: torch.Tensor, add: bool) -> None:
+    """Write (``add=False``) or add the decoded signs of ``packed`` into the integer ``out`` (5m elements)."""
+    table, index = _trit_table(packed.device, out.dtype), packed.int()
+    for digits, plane in zip(table, out.view(TRITS_PER_BYTE, -1)):
+        if add:
+            plane.add_(torch.index_select(digits, 0, index))
+        else:
+            torch.index_select(digits, 0, index, out=plane)
+
+
+def decode_trits(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of :func:`encode_trits`: the first n signs, int8 in {-1, 0, +1}."""
+    out = torch.empty(TRITS_PER_BYTE * packed.numel(), dtype=torch.int8, device=packed.device)
+    _add_trits(out, packed, add=False)
+    return out[:n]
+
+
+def vote_of_trits(gathered: list, shape) -> torch.Tensor:
+    """sign(sum_r t_r) of the ranks' packed ternary codes, counted as integers (float32; ties 0)."""
+    n, world = math.prod(shape), len(gathered)
+    dtype = torch.int8 if world < 2**7 else torch.int16 if world < 2**15 else torch.int32
+    count = workspace("votes", TRITS_PER_BYTE * trits_nbytes(n), dtype, gathered[0].device)
+    for r, packed in enumerate(gathered):
+        _add_trits(count, packed, add=r > 0)
+    return count[:n].sign_().float().reshape(shape)
 
 
 def _bits_bytes(ctx: TensorContext) -> int:
@@ -120,29 +199,59 @@ class OneBit(GatheredCompressor):
 
 
 class _SignVote(GatheredCompressor):
-    """signSGD's protocol: allgather packed sign bits, aggregate by majority vote."""
+    """signSGD's protocol: allgather each worker's signs (and scale), aggregate by majority vote.
+
+    ``zeros="abstain"`` sends ternary codes, so an exact zero votes for neither sign; ``"plus"`` sends
+    one bit, reading 0 as +1.  ``scaled=True`` multiplies the vote by s = mean_r ||y_r||_1 / n, where
+    y_r is what rank r signs; each rank sends its ||y_r||_1 / n as one fp32 beside the codes.
+    """
+
+    def __init__(self, scaled: bool = True, zeros: str = "abstain", feedback: Optional[str] = None):
+        super().__init__(feedback)
+        if not isinstance(scaled, bool):
+            raise ValueError(f"scaled must be True or False, got {scaled!r}")
+        if zeros not in ZEROS:
+            raise ValueError(f"zeros must be one of {list(ZEROS)}, got {zeros!r}")
+        self.scaled = scaled
+        self.zeros = zeros
 
     def signs_of(self, x: torch.Tensor, ctx: TensorContext) -> torch.Tensor:
         """The tensor whose signs are sent (the input for signSGD, the momentum for Signum)."""
         return x
 
+    @property
+    def ternary(self) -> bool:
+        return self.zeros == "abstain"
+
     def compress(self, x, ctx):
-        return (encode_signs(self.signs_of(x, ctx)),)
+        y = self.signs_of(x, ctx)
+        codes = encode_trits(y) if self.ternary else encode_signs(y)
+        return (mean_abs(y), codes) if self.scaled else (codes,)
 
     def decompress(self, fields, ctx):
-        return decode_signs(fields[0], ctx.shape)
-
-    def combine(self, decoded, ctx):
-        return majority_vote(decoded)
+        """One rank's contribution as the receivers read it: s_r * sign(y_r) (or sign(y_r) unscaled)."""
+        n = ctx.shape.numel()
+        signs = decode_trits(fields[-1], n).float() if self.ternary else decode_signs(fields[-1], (n,))
+        return (signs.mul_(fields[0].reshape(())) if self.scaled else signs).reshape(ctx.shape)
 
     def exchange(self, x, ctx):
-        # Vote on the bits directly; decode this rank's own signs only if error feedback asks for them.
+        # Vote on the codes directly; decode this rank's own signs only if error feedback asks for them.
         fields = self.compress(x, ctx)
         gathered = yield AllGather(tuple(fields), same_size=True)
-        return Exchanged(vote_of_bits(gathered, ctx.shape), lambda: self.decompress(gathered[ctx.rank], ctx))
+        if self.ternary:
+            vote = vote_of_trits([f[-1] for f in gathered], ctx.shape)
+        else:
+            vote = vote_of_bits([f[-1:] for f in gathered], ctx.shape)
+        if self.scaled:  # summed in rank order: the same float on every rank
+            scale = gathered[0][0].clone()
+            for fields_r in gathered[1:]:
+                scale += fields_r[0]
+            vote.mul_(scale.div_(len(gathered)).reshape(()))
+        return Exchanged(vote, lambda: self.decompress(gathered[ctx.rank], ctx))
 
     def payload_bytes(self, ctx, kept=None):
-        return _bits_bytes(ctx)
+        n = ctx.shape.numel()
+        return 4 * self.scaled + (trits_nbytes(n) if self.ternary else packed_nbytes(n, 1))
 
 
 @register
@@ -150,15 +259,26 @@ class SignSGD(_SignVote):
     """signSGD with majority vote (Bernstein et al., ICML 2018, "signSGD: compressed optimisation for
     non-convex problems").
 
-    Each worker sends sign(x); the aggregate is sign(sum_r sign(x_r)) (ties give 0).  The aggregate is
-    +-1 per element, so the learning rate is the step length.  Residual feedback is accepted but
-    mis-scaled (it keeps p - sign(p)); use ``efsignsgd`` for error feedback.  Wire: ceil(n / 8) bytes, allgathered.
+    Each worker sends sign(x_r); the aggregate is V = sign(sum_r sign(x_r)) (ties give 0), times
+    s = mean_r ||x_r||_1 / n by default.
+
+    - ``scaled=True`` (default): aggregate s * V, so the step has the gradient's size and the learning
+      rate of plain SGD works; the scale is EF-signSGD's ||x||_1 / n (Karimireddy et al., ICML 2019)
+      averaged over workers.  ``scaled=False`` is the paper's update: V alone, the learning rate is the
+      step length of every coordinate.
+    - ``zeros="abstain"`` (default): sign(0) = 0, so a coordinate whose gradient is exactly zero on
+      every rank (unused embedding rows, dead ReLU units) gets V = 0 and does not move.  ``zeros="plus"``
+      is the paper's 1-bit code, sign(0) = +1: such a coordinate moves by the learning rate every step.
+
+    Wire (allgathered): codes, ceil(n / 5) bytes (ternary, five per byte) or ceil(n / 8) bytes (one
+    bit, ``zeros="plus"``), plus 4 bytes for the fp32 scale if ``scaled``.  Residual feedback keeps
+    x - s_r sign(x_r) (x - sign(x) unscaled); ``efsignsgd`` is the method designed for it.
     """
 
     name = "signsgd"
 
-    def __init__(self, feedback: Optional[str] = None):
-        super().__init__(feedback)
+    def __init__(self, scaled: bool = True, zeros: str = "abstain", feedback: Optional[str] = None):
+        super().__init__(scaled, zeros, feedback)
 
 
 @register
@@ -166,18 +286,27 @@ class Signum(_SignVote):
     """Signum with majority vote (Bernstein et al., ICML 2018, as ``signsgd``, on the momentum).
 
     m = beta * m + (1 - beta) * x, kept per tensor (staged in ``ctx``, committed only when the exchange
-    succeeded); each worker sends sign(m); aggregate sign(sum_r sign(m_r)), ties 0.  The momentum lives
-    here, so the optimizer should use none of its own.  Wire: ceil(n / 8) bytes, allgathered.
+    succeeded); each worker sends sign(m_r); the aggregate is V = sign(sum_r sign(m_r)) (ties 0), times
+    s = mean_r ||m_r||_1 / n when ``scaled`` (default).  ``scaled`` and ``zeros`` mean what they mean for
+    ``signsgd``: ``scaled=False, zeros="plus"`` is the paper's update.  The momentum lives here, so the
+    optimizer must use none of its own (``applies_momentum``: the integrations raise otherwise).  Wire:
+    as ``signsgd``, ceil(n / 5) or ceil(n / 8) bytes, plus 4 if ``scaled``.
     """
 
     name = "signum"
     state_key = "signum_momentum"  # distinct from feedback.py's "momentum"
 
-    def __init__(self, beta: float = 0.9, feedback: Optional[str] = None):
-        super().__init__(feedback)
+    def __init__(self, beta: float = 0.9, scaled: bool = True, zeros: str = "abstain",
+                 feedback: Optional[str] = None):
+        super().__init__(scaled, zeros, feedback)
         if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 <= beta < 1:
             raise ValueError(f"beta must be a number with 0 <= beta < 1, got {beta!r}")
         self.beta = float(beta)
+
+    @property
+    def applies_momentum(self) -> bool:
+        """Signum's momentum is this compressor's state: the optimizer must add none."""
+        return True
 
     def signs_of(self, x, ctx):
         m = ctx.get(self.state_key)
@@ -198,7 +327,9 @@ class EFSignSGD(GatheredCompressor):
     delta = (||p||_1 / n) * sign(p), with p the error-compensated input and the residual e = p - delta
     kept by residual feedback (the default).  The paper forms p = lr * g + e; with a constant learning
     rate, running the same recursion on g and letting the optimizer multiply by lr is equivalent (the
-    residual is e / lr); under a schedule the kept residual is not rescaled when lr changes.  Wire: fp32 scale + ceil(n / 8) bytes =
+    residual is e / lr); under a schedule the kept residual is not rescaled when lr changes.  An exact
+    zero is sent as +scale (1 bit); the residual sends it back, so a coordinate whose gradient is always
+    0 oscillates within about one step and does not drift.  Wire: fp32 scale + ceil(n / 8) bytes =
     4 + ceil(n / 8), allgathered; the aggregate is the mean over workers of their deltas.
     """
 
@@ -209,12 +340,7 @@ class EFSignSGD(GatheredCompressor):
         super().__init__(feedback)
 
     def compress(self, x, ctx):
-        # Sum / max(n, 1) instead of mean(): an empty tensor gets scale 0, not NaN.
-        # |x| into a reused buffer, unless x's own layout sets the order of the sum.
-        magnitudes = (torch.abs(x, out=workspace("abs", x.numel(), x.dtype, x.device).view(x.shape))
-                      if x.is_contiguous() else x.abs())
-        scale = magnitudes.sum(dtype=torch.float32) / max(x.numel(), 1)
-        return scale.reshape(1), encode_signs(x)
+        return mean_abs(x), encode_signs(x)
 
     def decompress(self, fields, ctx):
         scale, packed = fields
