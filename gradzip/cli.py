@@ -35,8 +35,9 @@ def methods():
 
 @app.command()
 def train(
-    model: str = typer.Option("cnn", help="cnn | mlp | resnet20 | lstm"),
-    dataset: str = typer.Option("fashion-mnist", help="fashion-mnist | mnist | digits | cifar10 | text | synthetic"),
+    model: str = typer.Option("cnn", help="cnn | mlp | resnet20 | lstm | gpt"),
+    dataset: str = typer.Option("fashion-mnist",
+                                help="fashion-mnist | mnist | digits | cifar10 | text | chars | synthetic"),
     data_dir: Optional[str] = typer.Option(None, help="directory with the dataset's files"),
     compressor: str = typer.Option("none", "--compressor", "-c", help="see `gradzip methods`"),
     param: List[str] = typer.Option([], "--param", "-p", help="compressor parameter KEY=VALUE (repeatable)"),
@@ -44,18 +45,19 @@ def train(
     workers: int = typer.Option(2, "--workers", "-n", help="local worker processes (ignored under torchrun)"),
     epochs: int = 1,
     batch_size: int = typer.Option(32, help="per worker"),
+    optimizer: str = typer.Option("sgd", help="sgd | adamw (betas 0.9, 0.999)"),
     lr: float = 0.01,
-    momentum: float = 0.9,
+    momentum: float = typer.Option(0.9, help="SGD's momentum (DGC applies it itself)"),
     weight_decay: float = 0.0,
     lr_warmup_epochs: float = 0.0,
     clip: Optional[float] = typer.Option(None, help="clip the averaged gradient's global norm"),
     seed: int = 0,
-    target: Optional[float] = typer.Option(None, help="test accuracy (perplexity for lstm) to time"),
+    target: Optional[float] = typer.Option(None, help="test accuracy (perplexity for lstm, gpt) to time"),
     train_size: Optional[int] = typer.Option(None, help="use only the first N training samples"),
     test_size: Optional[int] = None,
     validation: float = typer.Option(0.0, help="hold out this fraction of train for evaluation"),
     max_steps: Optional[int] = typer.Option(None, help="cap on steps per epoch"),
-    seq_len: int = 35,
+    seq_len: int = typer.Option(35, help="tokens per sample (text, chars); the gpt's context"),
     netem: Optional[str] = typer.Option(None, help='emulated link per worker, e.g. "rate=100mbit" (root)'),
     checkpoint_steps: Optional[int] = typer.Option(None, help="also checkpoint every N steps"),
     resume: bool = typer.Option(False, help="continue from runs/<name>/checkpoint-rank*.pt"),
@@ -69,9 +71,9 @@ def train(
     try:
         config = TrainConfig(model=model, dataset=dataset, data_dir=data_dir, compressor=compressor,
                              params=parse_params(param), integration=integration, workers=workers, epochs=epochs,
-                             batch_size=batch_size, lr=lr, momentum=momentum, weight_decay=weight_decay,
-                             lr_warmup_epochs=lr_warmup_epochs, clip=clip, seed=seed, target=target,
-                             train_size=train_size, test_size=test_size, validation=validation,
+                             batch_size=batch_size, optimizer=optimizer, lr=lr, momentum=momentum,
+                             weight_decay=weight_decay, lr_warmup_epochs=lr_warmup_epochs, clip=clip, seed=seed,
+                             target=target, train_size=train_size, test_size=test_size, validation=validation,
                              max_steps=max_steps, seq_len=seq_len, netem=netem, checkpoint_steps=checkpoint_steps,
                              resume=resume, out_dir=out_dir, name=name, progress=progress)
         _check_data(config)
@@ -137,11 +139,12 @@ def demo(
 
 
 def _check_data(config) -> None:
-    """Fail in the launcher, with the loader's one-line message, before any worker starts."""
-    from .harness.data import load_dataset
+    """Fail in the launcher, with the loader's or the model's one-line message, before any worker starts."""
+    from .harness import build_model, load_dataset
 
-    load_dataset(config.dataset, data_dir=config.data_dir, train=False, seq_len=config.seq_len,
-                 synthetic_shape=config.synthetic_shape)
+    _, info = load_dataset(config.dataset, data_dir=config.data_dir, train=False, seq_len=config.seq_len,
+                           synthetic_shape=config.synthetic_shape)
+    build_model(config.model, info)  # an unknown model, or one for the other task
 
 
 @app.command()
@@ -242,7 +245,7 @@ def bench_e2e(
 
 @app.command()
 def advise(
-    model: str = typer.Option("cnn", help="cnn | mlp | resnet20 | lstm"),
+    model: str = typer.Option("cnn", help="cnn | mlp | resnet20 | lstm | gpt"),
     dataset: str = "fashion-mnist",
     data_dir: Optional[str] = None,
     netem: Optional[str] = typer.Option(None, help='measure on an emulated link, e.g. "rate=1gbit" (root)'),

@@ -552,4 +552,4 @@ def _spawn(fn, workers, args, cluster, timeout):
         if not finished or any(p.exitcode != 0 for p in procs):
             raise RuntimeError(f"workers did not finish within {timeout:.0f} s "
                                f"(exit codes {[p.exitcode for p in procs]})")
-        return [torch.load(os.path.join(out_dir, f"result{r}.pt"), weights_only=False) for r in range(workers)]
+        return [torch.load(os.path.join(out_dir, f"result{r}.pt"), weights_only=True) for r in range(workers)]

@@ -218,6 +218,74 @@ def test_text_errors(tmp_path):
         load_dataset("text", data_dir=tmp_path, seq_len=0)
 
 
+# --------------------------------------------------------------------------------------------- chars
+
+
+def test_chars_from_a_data_dir_vocabulary_and_windows(tmp_path):
+    write_corpus(tmp_path, {"train.txt": "abcab\ncé", "test.txt": "cab!a"})
+    train, info = load_dataset("chars", data_dir=tmp_path, seq_len=3)
+    vocab = ["\n", "a", "b", "c", "é", "<unk>"]  # sorted characters of train.txt, then the unknown id
+    assert info == DatasetInfo("chars", (3,), len(vocab), "language_model", tuple(vocab))
+    tokens = [vocab.index(c) for c in "abcab\ncé"]  # 8 characters: two windows of 3 (+1 target) fit
+    x, y = train.tensors
+    assert x.dtype == y.dtype == torch.int64
+    assert x.tolist() == [tokens[0:3], tokens[3:6]] and y.tolist() == [tokens[1:4], tokens[4:7]]
+    test, test_info = load_dataset("chars", data_dir=tmp_path, train=False, seq_len=2)
+    assert test_info.vocab == info.vocab and test_info.input_shape == (2,)
+    x, y = test.tensors
+    assert "".join(vocab[i] for i in [*x.flatten(), y[-1, -1]]) == "cab<unk>a"  # "!" is not in train.txt
+
+
+def test_chars_falls_back_to_valid_and_reports_what_is_missing(tmp_path):
+    write_corpus(tmp_path, {"train.txt": "abcabc", "valid.txt": "cba"})
+    test, info = load_dataset("chars", data_dir=tmp_path, train=False, seq_len=2)
+    assert [info.vocab[i] for i in test.tensors[0].flatten()] == ["c", "b"]
+    (tmp_path / "valid.txt").unlink()
+    with pytest.raises(DataNotFoundError) as excinfo:
+        load_dataset("chars", data_dir=tmp_path, train=False)
+    one_line_error(excinfo, str(tmp_path), "test.txt (or valid.txt)", "--data-dir")
+    with pytest.raises(DataNotFoundError) as excinfo:
+        load_dataset("chars", data_dir=tmp_path / "nowhere")
+    one_line_error(excinfo, "train.txt", "--data-dir")
+    with pytest.raises(ValueError, match="too few for one window of seq_len=6"):
+        load_dataset("chars", data_dir=tmp_path, seq_len=6)
+
+
+def test_chars_reads_every_regular_file_of_the_default_folder_and_tests_on_the_last_tenth(tmp_path, monkeypatch):
+    licenses = tmp_path / "licenses"
+    licenses.mkdir()
+    (licenses / "B").write_text("b" * 17 + "!bb")
+    (licenses / "A").write_text("a" * 80 + "xyzw")
+    (licenses / "LINK").symlink_to("A")  # Debian's GPL -> GPL-3: read once, not twice
+    (licenses / "sub").mkdir()
+    monkeypatch.setattr(data_module, "COMMON_LICENSES_DIR", licenses)
+    train, info = load_dataset("chars", seq_len=9)
+    test, _ = load_dataset("chars", train=False, seq_len=9)
+    whole = "a" * 80 + "xyzw" + "b" * 17 + "!bb"  # A then B: 104 characters, the last 10 for test
+    assert len(train) == (94 - 1) // 9 and len(test) == (10 - 1) // 9
+    assert info.vocab == ("a", "b", "w", "x", "y", "z", "<unk>")  # "!" is only in the test part
+    decode = lambda ids: "".join(info.vocab[i] for i in ids)  # noqa: E731
+    assert decode(train.tensors[0].flatten()) == whole[: 9 * len(train)]
+    assert decode(train.tensors[1][-1]) == whole[82:91]
+    assert decode(test.tensors[0].flatten()) + decode(test.tensors[1][-1, -1:]) == "bbbbbbb<unk>bb"
+    for child in (licenses / "B", licenses / "A", licenses / "LINK"):
+        child.unlink()
+    with pytest.raises(DataNotFoundError) as excinfo:
+        load_dataset("chars")
+    one_line_error(excinfo, str(licenses), "base-files", "--data-dir")
+
+
+@pytest.mark.skipif(not data_module.COMMON_LICENSES_DIR.is_dir(), reason="not a Debian system (no base-files)")
+def test_chars_on_debians_license_texts():
+    train, info = load_dataset("chars", seq_len=64)
+    test, _ = load_dataset("chars", train=False, seq_len=64)
+    assert info.name == "chars" and info.input_shape == (64,) and info.vocab[-1] == "<unk>"
+    assert 60 < info.num_classes < 120 and info.vocab.index(" ") < info.vocab.index("a")
+    assert 8 * len(test) < len(train) < 10 * len(test)  # 90/10, in whole windows
+    train_text = {"".join(info.vocab[i] for i in row) for row in train.tensors[0].tolist()}
+    assert all("".join(info.vocab[i] for i in row) not in train_text for row in test.tensors[0].tolist())
+
+
 # ------------------------------------------------------------------------------- digits and synthetic
 
 
@@ -368,21 +436,22 @@ def test_lstm_dropout_only_in_training():
 
 
 def test_model_registry_and_errors():
-    assert set(MODELS) == {"cnn", "mlp", "resnet20", "lstm"}
-    assert [task_of(m) for m in MODELS] == ["language_model" if m == "lstm" else "classification" for m in MODELS]
+    assert set(MODELS) == {"cnn", "mlp", "resnet20", "lstm", "gpt"}
+    assert [task_of(m) for m in MODELS] == ["language_model" if m in ("lstm", "gpt") else "classification"
+                                            for m in MODELS]
     assert model_options("lstm") == {"emb": 200, "hidden": 200, "layers": 2, "dropout": 0.0, "tie": None}
     with pytest.raises(ValueError) as excinfo:
         build_model("vgg16", info_for((3, 32, 32)))
     one_line_error(excinfo, "'vgg16'", *MODELS)
     with pytest.raises(ValueError) as excinfo:
-        task_of("gpt")
+        task_of("bert")
     one_line_error(excinfo, *MODELS)
     with pytest.raises(ValueError) as excinfo:
         build_model("cnn", info_for((3, 32, 32)), width=2)
     one_line_error(excinfo, "width", "none")
     with pytest.raises(ValueError) as excinfo:
         build_model("cnn", TEXT_INFO)
-    one_line_error(excinfo, "'cnn'", "classification", "language_model", "lstm")
+    one_line_error(excinfo, "'cnn'", "classification", "language_model", "lstm, gpt")
     with pytest.raises(ValueError) as excinfo:
         build_model("lstm", info_for((1, 28, 28)))
     one_line_error(excinfo, "'lstm'", "cnn", "mlp", "resnet20")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -13,6 +14,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+import gradzip
 from gradzip.cli import app, parse_params
 from gradzip.collectives import free_port
 
@@ -35,7 +37,7 @@ def _train(tmp_path, *args):
 
 def _final_params(run: Path, rank: int = 0) -> dict:
     steps = sorted(run.glob(f"checkpoint-rank{rank}-step*.pt"), key=lambda p: int(p.stem.rsplit("step", 1)[1]))
-    return torch.load(steps[-1], weights_only=False)["model"]
+    return torch.load(steps[-1], weights_only=True)["model"]  # as the trainer loads them: no pickled code
 
 
 def test_parse_params_types_values():
@@ -80,6 +82,88 @@ def test_bad_input_is_one_clear_line(tmp_path):
     assert result.exit_code == 2 and "--data-dir" in result.output
     result = CliRunner().invoke(app, ["train", *DIGITS, "-c", "topk", "-p", "ratoi=1", "--out-dir", str(tmp_path)])
     assert result.exit_code == 2 and "valid: ratio" in result.output
+    result = CliRunner().invoke(app, ["train", *DIGITS, "--optimizer", "adam", "--out-dir", str(tmp_path)])
+    assert result.exit_code == 2 and "optimizer must be one of sgd, adamw, got 'adam'" in result.output
+    adamw_dgc = ["--optimizer", "adamw", "-c", "dgc"]
+    result = CliRunner().invoke(app, ["train", *DIGITS, *adamw_dgc, "--out-dir", str(tmp_path)])
+    assert result.exit_code == 2
+    assert "'dgc' applies momentum itself and AdamW applies its own: use --optimizer sgd" in result.output
+    # The model is checked in the launcher too, not in each worker.
+    result = CliRunner().invoke(app, ["train", "--model", "gpt", "--dataset", "digits", "--out-dir", str(tmp_path)])
+    assert result.exit_code == 2 and "model 'gpt' is for language_model data" in result.output
+    assert not list(tmp_path.iterdir()), "a refused run wrote files"
+
+
+def _config(**kwargs):
+    from gradzip.harness.trainer import TrainConfig
+
+    return TrainConfig(model="mlp", dataset="digits", momentum=0.7, lr=0.05, weight_decay=1e-4, **kwargs)
+
+
+def test_sgd_momentum_only_for_methods_that_do_not_apply_their_own():
+    from gradzip.harness.trainer import _optimizer
+
+    weights = [torch.nn.Parameter(torch.zeros(3))]
+    opt, params = _optimizer(_config(compressor="topk", params={"ratio": 0.1}), weights)
+    assert type(opt) is torch.optim.SGD and opt.defaults["momentum"] == 0.7 and params == {"ratio": 0.1}
+    # DGC's momentum correction: the run's momentum goes to DGC, none to SGD; an explicit one is kept.
+    opt, params = _optimizer(_config(compressor="dgc"), weights)
+    assert opt.defaults["momentum"] == 0.0 and params == {"momentum": 0.7}
+    assert _optimizer(_config(compressor="dgc", params={"momentum": 0.5}), weights)[1] == {"momentum": 0.5}
+    for name in gradzip.compressors():
+        opt, params = _optimizer(_config(compressor=name), weights)
+        own = gradzip.make(name).applies_momentum  # DGC and Signum
+        assert opt.defaults["momentum"] == (0.0 if own else 0.7), name
+        assert ("momentum" in params) == (own and "momentum" in gradzip.parameters_of(name)), name
+
+
+def test_adamw_takes_the_runs_lr_and_weight_decay_and_refuses_methods_with_momentum():
+    from gradzip.harness.trainer import _optimizer
+
+    weights = [torch.nn.Parameter(torch.zeros(3))]
+    opt, params = _optimizer(_config(optimizer="adamw", compressor="powersgd"), weights)
+    assert type(opt) is torch.optim.AdamW and params == {}
+    assert (opt.defaults["lr"], opt.defaults["weight_decay"], opt.defaults["betas"]) == (0.05, 1e-4, (0.9, 0.999))
+    for name in gradzip.compressors():
+        if gradzip.make(name).applies_momentum:
+            with pytest.raises(ValueError, match=f"'{name}' applies momentum itself .* use --optimizer sgd$"):
+                _config(optimizer="adamw", compressor=name)
+        else:
+            _config(optimizer="adamw", compressor=name)
+
+
+def test_gpt_on_chars_trains_with_adamw_and_topk_and_resumes_exactly_from_a_weights_only_checkpoint(tmp_path):
+    args = ["train", "--model", "gpt", "--dataset", "chars", "-n", "2", "-c", "topk", "-p", "ratio=0.05",
+            "--optimizer", "adamw", "--lr", "0.003", "--seq-len", "32", "--batch-size", "8", "--max-steps", "5",
+            "--test-size", "16", "--epochs", "2", "--no-progress", "--name", "gpt"]
+    result = CliRunner().invoke(app, [*args, "--out-dir", str(tmp_path / "whole")])
+    assert result.exit_code == 0, result.output
+    run = tmp_path / "whole" / "gpt"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["kind"] == "step"]
+    vocab = len(torch.load(run / "checkpoint-rank0-step10.pt", weights_only=True)["model"]["tok.weight"])
+    assert len(steps) == 10 and abs(steps[0]["loss"] - math.log(vocab)) < 0.1  # starts at chance
+    assert steps[-1]["loss"] < steps[0]["loss"] - 0.5
+    assert all(abs(r["density"] - 0.05) < 0.005 and r["ratio"] > 5 for r in steps)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["optimizer"] == "adamw" and summary["score"] == "test_perplexity"
+    assert summary["final_score"] < vocab
+    saved = torch.load(run / "checkpoint-rank1-step10.pt", weights_only=True)
+    assert saved["optimizer"]["state"][0]["exp_avg"].shape == saved["model"]["tok.weight"].shape  # AdamW's
+    assert any("residual" in slot for slot in saved["gradzip"]["tensors"].values())
+
+    # The same run killed after epoch 1: its epoch-1 checkpoints, resumed, give epoch 2 bit for bit.
+    cut = tmp_path / "cut" / "gpt"
+    cut.mkdir(parents=True)
+    for name in ("checkpoint-rank0-step5.pt", "checkpoint-rank1-step5.pt"):
+        (cut / name).write_bytes((run / name).read_bytes())
+    (cut / "metrics.jsonl").write_text("".join(line + "\n" for line in (run / "metrics.jsonl").read_text()
+                                               .splitlines()[:6]))
+    result = CliRunner().invoke(app, [*args, "--out-dir", str(tmp_path / "cut"), "--resume"])
+    assert result.exit_code == 0, result.output
+    whole, resumed = _final_params(run), _final_params(cut)
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+    assert (cut / "metrics.jsonl").read_text().count('"kind": "step"') == 10
 
 
 

@@ -12,14 +12,15 @@ import os
 import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")  # Debian package dataset-fashion-mnist
-DATASETS = ("fashion-mnist", "mnist", "digits", "cifar10", "text", "synthetic")
+COMMON_LICENSES_DIR = Path("/usr/share/common-licenses")  # Debian package base-files
+DATASETS = ("fashion-mnist", "mnist", "digits", "cifar10", "text", "chars", "synthetic")
 TASKS = ("classification", "language_model")
 
 PathLike = Union[str, os.PathLike]
@@ -34,7 +35,7 @@ class DatasetInfo:
     """What a model needs to know about a dataset.
 
     ``input_shape`` is one sample's shape (``(seq_len,)`` for text); ``num_classes`` is the number of
-    labels, or the vocabulary size for a language model; ``vocab`` (text only) maps ids to words.
+    labels, or the vocabulary size for a language model; ``vocab`` (text and chars) maps ids to tokens.
     """
 
     name: str
@@ -186,6 +187,25 @@ def _text_file(directory: Path, split: str) -> Optional[Path]:
     return next((directory / n for n in (f"{split}.txt", f"ptb.{split}.txt") if (directory / n).is_file()), None)
 
 
+def _corpus_files(data_dir: Path, train: bool, title: str, fix: str) -> tuple[Path, Path]:
+    """(train file, file of the requested split): test.txt, or valid.txt when the corpus has no test.txt."""
+    train_path = _text_file(data_dir, "train")
+    split_path = train_path if train else (_text_file(data_dir, "test") or _text_file(data_dir, "valid"))
+    if train_path is None or split_path is None:
+        missing = "train.txt" if train_path is None else "test.txt (or valid.txt)"
+        raise DataNotFoundError(f"{title} not found in {data_dir} (expected {missing}): {fix}")
+    return train_path, split_path
+
+
+def _windows(tokens: Sequence[str], ids: dict, unk: int, seq_len: int, source) -> tuple[torch.Tensor, torch.Tensor]:
+    """Consecutive non-overlapping windows: x = tokens[i : i+seq_len], y = tokens[i+1 : i+seq_len+1]."""
+    encoded = torch.tensor([ids.get(t, unk) for t in tokens], dtype=torch.int64)
+    n = (len(encoded) - 1) // seq_len
+    if n < 1:
+        raise ValueError(f"{source} has {len(encoded)} tokens, too few for one window of seq_len={seq_len} (+1)")
+    return encoded[: n * seq_len].view(n, seq_len), encoded[1 : n * seq_len + 1].view(n, seq_len)
+
+
 def _words(path: Path) -> list[str]:
     # One "<eos>" per line, as in pytorch/examples' word_language_model (data.py).
     with open(path, encoding="utf-8") as f:
@@ -203,23 +223,46 @@ def _text(data_dir: Optional[Path], train: bool, seq_len: int):
     fix = "pass --data-dir pointing at a folder with train.txt, valid.txt and test.txt (e.g. the PTB data)"
     if data_dir is None:
         raise DataNotFoundError(f"the text dataset has no default location (expected train.txt and test.txt): {fix}")
-    train_path = _text_file(data_dir, "train")
-    split_path = train_path if train else (_text_file(data_dir, "test") or _text_file(data_dir, "valid"))
-    if train_path is None or split_path is None:
-        missing = "train.txt" if train_path is None else "test.txt (or valid.txt)"
-        raise DataNotFoundError(f"text corpus not found in {data_dir} (expected {missing}): {fix}")
+    train_path, split_path = _corpus_files(data_dir, train, "text corpus", fix)
     train_words = _words(train_path)
     vocab = tuple(sorted(set(train_words) | {"<eos>", "<unk>"}))
     ids = {w: i for i, w in enumerate(vocab)}
     words = train_words if split_path == train_path else _words(split_path)
-    unk = ids["<unk>"]
-    tokens = torch.tensor([ids.get(w, unk) for w in words], dtype=torch.int64)
-    n = (len(tokens) - 1) // seq_len
-    if n < 1:
-        raise ValueError(f"{split_path} has {len(tokens)} tokens, too few for one window of seq_len={seq_len} (+1)")
-    x = tokens[: n * seq_len].view(n, seq_len)
-    y = tokens[1 : n * seq_len + 1].view(n, seq_len)
+    x, y = _windows(words, ids, ids["<unk>"], seq_len, split_path)
     return x, y, DatasetInfo("text", (seq_len,), len(vocab), "language_model", vocab)
+
+
+def _chars(data_dir: Optional[Path], train: bool, seq_len: int):
+    """Character-level text: the license texts Debian ships by default, or train.txt/test.txt of ``data_dir``.
+
+    Without ``data_dir`` it reads every regular file of /usr/share/common-licenses (package base-files,
+    on every Debian system; about 240 KB of English), sorted by name and concatenated, and keeps the
+    last 10% of the characters as the test split.  Links are skipped: GPL, LGPL and GFDL link to files
+    that are read anyway, and a second copy could put test text into the train split.  With
+    ``data_dir`` it reads train.txt and test.txt (or valid.txt), any UTF-8 text.  The vocabulary is the
+    sorted characters of the train text plus "<unk>" (the last id), which test characters outside it
+    become.  Samples are windows as in the ``text`` dataset.
+    """
+    if data_dir is None:
+        files = sorted(p for p in COMMON_LICENSES_DIR.glob("*") if p.is_file() and not p.is_symlink())
+        if not files:
+            raise DataNotFoundError(
+                f"no text files in {COMMON_LICENSES_DIR} (the chars dataset's default): install it with "
+                f"`apt-get install base-files` or pass --data-dir DIR with train.txt and test.txt"
+            )
+        whole = "".join(p.read_text(encoding="utf-8") for p in files)
+        cut = len(whole) - len(whole) // 10
+        train_text, split_text, source = whole[:cut], whole[cut:], COMMON_LICENSES_DIR
+    else:
+        fix = "pass --data-dir pointing at a folder with train.txt and test.txt (any UTF-8 text)"
+        train_path, split_path = _corpus_files(data_dir, train, "chars corpus", fix)
+        train_text = train_path.read_text(encoding="utf-8")
+        split_text = train_text if split_path == train_path else split_path.read_text(encoding="utf-8")
+        source = split_path
+    vocab = (*sorted(set(train_text)), "<unk>")
+    ids = {c: i for i, c in enumerate(vocab[:-1])}
+    x, y = _windows(train_text if train else split_text, ids, len(vocab) - 1, seq_len, source)
+    return x, y, DatasetInfo("chars", (seq_len,), len(vocab), "language_model", vocab)
 
 
 def _synthetic(train: bool, shape: tuple, classes: int, size: int, seed: int):
@@ -257,9 +300,10 @@ def load_dataset(name: str, *, data_dir: Optional[PathLike] = None, train: bool 
     """Load the train (or test) split of dataset ``name`` as ``(TensorDataset(x, y), DatasetInfo)``.
 
     Images are float32 (N, C, H, W), normalised with the dataset's usual mean and std; labels int64.
-    Text gives int64 windows x, y of shape (N, seq_len).  ``data_dir`` is where the files are
-    (Fashion-MNIST defaults to /usr/share/datasets/fashion-mnist; mnist, cifar10 and text need it);
-    ``seq_len`` applies to text; the ``synthetic_*`` options and ``seed`` to synthetic.
+    Text and chars give int64 windows x, y of shape (N, seq_len).  ``data_dir`` is where the files are
+    (Fashion-MNIST defaults to /usr/share/datasets/fashion-mnist, chars to /usr/share/common-licenses;
+    mnist, cifar10 and text need it); ``seq_len`` applies to text and chars; the ``synthetic_*`` options
+    and ``seed`` to synthetic.
     """
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; valid names: {', '.join(DATASETS)}")
@@ -277,6 +321,8 @@ def load_dataset(name: str, *, data_dir: Optional[PathLike] = None, train: bool 
         x, y, info = _cifar10(directory, train)
     elif name == "text":
         x, y, info = _text(directory, train, seq_len)
+    elif name == "chars":
+        x, y, info = _chars(directory, train, seq_len)
     else:
         shape = tuple(synthetic_shape) if isinstance(synthetic_shape, (tuple, list, torch.Size)) else ()
         if not shape or any(isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 1 for d in shape):

@@ -3,7 +3,7 @@
 Every model returns raw scores (logits); the loss is ``cross_entropy`` in both tasks.  The models are
 sized for CPU experiments, yet each keeps the layer mix that makes compression behave differently:
 large fully connected layers (``cnn``, ``mlp``), many small conv and BatchNorm tensors (``resnet20``),
-and a huge embedding (``lstm``).
+a huge embedding (``lstm``), and attention with many small LayerNorm and bias tensors (``gpt``).
 """
 from __future__ import annotations
 
@@ -179,8 +179,79 @@ class LSTMLanguageModel(nn.Module):
         return self.decoder(self.drop(out))
 
 
-_MODELS = {"cnn": MnistCNN, "mlp": MLP, "resnet20": ResNet20, "lstm": LSTMLanguageModel}
-_TASKS = {"cnn": "classification", "mlp": "classification", "resnet20": "classification", "lstm": "language_model"}
+class _Block(nn.Module):
+    """Pre-LayerNorm transformer block (GPT-2's order): x + attn(LN(x)), then x + MLP(LN(x))."""
+
+    def __init__(self, width: int, heads: int, dropout: float):
+        super().__init__()
+        self.heads, self.dropout = heads, dropout
+        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        p = self.dropout if self.training else 0.0
+        a = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        x = x + self.drop(self.proj(a.transpose(1, 2).reshape(b, t, c)))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer language model (GPT: Radford et al. 2018, "Improving Language
+    Understanding by Generative Pre-Training"; GPT-2: Radford et al. 2019, "Language Models are
+    Unsupervised Multitask Learners"), built from the Transformer (Vaswani et al., NeurIPS 2017).
+
+    token + learned position embedding - dropout - ``layers`` pre-LayerNorm blocks of causal
+    self-attention (``heads`` heads) and a GELU MLP (4 x width) - LayerNorm - linear (width -> vocab),
+    whose weight is the token embedding when ``tie`` (as in GPT).  The context is the dataset's
+    ``seq_len``.  Weights start as GPT-2's: N(0, 0.02), residual projections scaled by 1/sqrt(2 layers).
+    The defaults (0.4M parameters on ~100 characters) train on a CPU.  ``forward(x)`` takes token ids
+    [batch, seq <= seq_len] and returns logits [batch, seq, vocab]; position t sees tokens 0..t only.
+    """
+
+    def __init__(self, info: DatasetInfo, layers: int = 2, width: int = 128, heads: int = 4,
+                 dropout: float = 0.0, tie: bool = True):
+        super().__init__()
+        for name, value in (("layers", layers), ("width", width), ("heads", heads)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if width % heads:
+            raise ValueError(f"width must be a multiple of heads, got width={width}, heads={heads}")
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+            raise ValueError(f"dropout must be a number with 0 <= dropout < 1, got {dropout!r}")
+        if tie not in (True, False):
+            raise ValueError(f"tie must be True or False, got {tie!r}")
+        self.context = info.input_shape[0]
+        self.tok, self.pos = nn.Embedding(info.num_classes, width), nn.Embedding(self.context, width)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.Sequential(*(_Block(width, heads, dropout) for _ in range(layers)))
+        self.ln = nn.LayerNorm(width)
+        self.head = nn.Linear(width, info.num_classes, bias=False)
+        for name, p in self.named_parameters():
+            if name.endswith(".bias"):
+                nn.init.zeros_(p)
+            elif p.dim() == 2:
+                # Each block adds its projections' outputs to the residual stream: scaled so that its
+                # variance does not grow with depth (GPT-2, Sec. 2.3).
+                std = 0.02 / math.sqrt(2 * layers) if name.endswith(("proj.weight", "mlp.2.weight")) else 0.02
+                nn.init.normal_(p, 0.0, std)
+        self.tied = tie
+        if tie:
+            self.head.weight = self.tok.weight
+
+    def forward(self, x):
+        if x.shape[1] > self.context:
+            raise ValueError(f"sequence of {x.shape[1]} tokens is longer than the model's context {self.context}")
+        h = self.drop(self.tok(x) + self.pos.weight[: x.shape[1]])
+        return self.head(self.ln(self.blocks(h)))
+
+
+_MODELS = {"cnn": MnistCNN, "mlp": MLP, "resnet20": ResNet20, "lstm": LSTMLanguageModel, "gpt": GPT}
+_TASKS = {"cnn": "classification", "mlp": "classification", "resnet20": "classification", "lstm": "language_model",
+          "gpt": "language_model"}
 MODELS = tuple(_MODELS)
 
 

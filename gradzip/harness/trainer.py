@@ -35,6 +35,7 @@ from .models import build_model
 __all__ = ["TrainConfig", "launch", "run_dir", "BASELINES"]
 
 BASELINES = ("allreduce", "torch-fp16", "torch-powersgd", "nocomm")
+OPTIMIZERS = ("sgd", "adamw")
 
 
 @dataclass
@@ -53,8 +54,9 @@ class TrainConfig:
     workers: int = 2
     epochs: int = 1
     batch_size: int = 32  # per worker
+    optimizer: str = "sgd"  # "sgd" (with momentum) or "adamw" (default betas; lr and weight_decay from here)
     lr: float = 0.01
-    momentum: float = 0.9
+    momentum: float = 0.9  # SGD's, or given to DGC, which applies it itself
     weight_decay: float = 0.0
     lr_warmup_epochs: float = 0.0
     clip: Optional[float] = None  # clip the averaged gradient's global norm
@@ -92,7 +94,12 @@ class TrainConfig:
         if not 0 <= self.validation < 1:
             raise ValueError(f"validation must be a fraction in [0, 1), got {self.validation!r}")
         self.synthetic_shape = tuple(self.synthetic_shape)
-        gradzip.make(self.compressor, **self.params)  # fail early, in the launcher, on a bad method
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        compressor = gradzip.make(self.compressor, **self.params)  # fail early, in the launcher, on a bad method
+        if self.optimizer == "adamw" and compressor.applies_momentum:
+            raise ValueError(f"compressor {self.compressor!r} applies momentum itself and AdamW applies its own: "
+                             f"use --optimizer sgd")
         if self.netem is not None:
             from ..netem import parse_netem
 
@@ -342,6 +349,20 @@ def _restart_store(rank: int, world: int):
     return dist.PrefixStore(f"gradzip/restart{restart}/", store)
 
 
+def _optimizer(config: TrainConfig, parameters) -> tuple[torch.optim.Optimizer, dict]:
+    """The run's optimizer and the compressor's parameters to use with it."""
+    params = dict(config.params)
+    # A method that applies momentum itself (DGC's momentum correction, Signum) gets none from the
+    # optimizer on top; DGC takes the run's momentum, Signum keeps its own beta.
+    own_momentum = gradzip.make(config.compressor, **params).applies_momentum
+    if own_momentum and "momentum" in gradzip.parameters_of(config.compressor) and "momentum" not in params:
+        params["momentum"] = config.momentum
+    if config.optimizer == "adamw":  # TrainConfig refuses AdamW with a method that applies momentum
+        return torch.optim.AdamW(parameters, lr=config.lr, weight_decay=config.weight_decay), params
+    momentum = 0.0 if own_momentum else config.momentum
+    return torch.optim.SGD(parameters, lr=config.lr, momentum=momentum, weight_decay=config.weight_decay), params
+
+
 def _train(rank, world, config, device, torchrun, ticks=None):
     directory = run_dir(config)
     directory.mkdir(parents=True, exist_ok=True)
@@ -351,15 +372,7 @@ def _train(rank, world, config, device, torchrun, ticks=None):
     torch.manual_seed(config.seed)
     model = build_model(config.model, info).to(device)
 
-    params = dict(config.params)
-    compressor = gradzip.make(config.compressor, **params)
-    # Momentum-corrected feedback (DGC) carries the momentum itself: the optimizer must add none.
-    corrected = compressor.feedback == "momentum"
-    if corrected and "momentum" not in params:
-        params["momentum"] = config.momentum
-    opt_momentum = 0.0 if corrected else config.momentum
-    optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=opt_momentum,
-                                weight_decay=config.weight_decay)
+    optimizer, params = _optimizer(config, model.parameters())
     if config.integration == "ddp":
         net = nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
         if config.baseline is None:
@@ -387,7 +400,7 @@ def _train(rank, world, config, device, torchrun, ticks=None):
     restarted = torchrun and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     resume_step = _resume_step(directory, rank, world) if (config.resume or restarted) else -1
     if resume_step >= 0:
-        saved = torch.load(_checkpoint_path(directory, rank, resume_step), map_location=device, weights_only=False)
+        saved = torch.load(_checkpoint_path(directory, rank, resume_step), map_location=device, weights_only=True)
         model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
         state.load_state_dict(saved["gradzip"])
@@ -539,8 +552,9 @@ def _summary(config, stats, last_epoch, reached, wall, world, steps) -> dict:
     score_key = "test_perplexity" if last_epoch and "test_perplexity" in last_epoch else "test_accuracy"
     return {
         "name": config.name, "compressor": config.compressor, "params": config.params, "workers": world,
-        "model": config.model, "dataset": config.dataset, "seed": config.seed, "lr": config.lr,
-        "epochs": config.epochs, "final_test_accuracy": last_epoch["test_accuracy"] if last_epoch else None,
+        "model": config.model, "dataset": config.dataset, "seed": config.seed, "optimizer": config.optimizer,
+        "lr": config.lr, "epochs": config.epochs,
+        "final_test_accuracy": last_epoch["test_accuracy"] if last_epoch else None,
         "final_test_loss": last_epoch["test_loss"] if last_epoch else None,
         "final_score": last_epoch.get(score_key) if last_epoch else None, "score": score_key,
         "target": config.target, "time_to_target_s": reached["wall_s"] if reached else None,
