@@ -73,7 +73,7 @@ def _measure(rank, world, x, y, info, methods, warmup, steps, link_sizes):
         if method is None:
             net.register_comm_hook(None, _no_communication)
         else:
-            if gradzip.make(method, **params).feedback == "momentum":  # DGC: the optimizer adds none
+            if gradzip.make(method, **params).applies_momentum:  # DGC, Signum: the optimizer adds none
                 momentum = 0.0
             gradzip.register(net, method, **params)
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=momentum)

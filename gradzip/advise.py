@@ -43,8 +43,9 @@ _RULES = {
     "onebit": ("medium", "1-bit with error feedback (Seide et al. 2014)",
                "high", "1-bit SGD diverges without error feedback (Seide et al. 2014)"),
     "efsignsgd": ("medium", "error feedback fixes signSGD's bias (Karimireddy et al. 2019)", "high", _GRACE),
-    "signsgd": ("high", "biased majority vote: can fail to converge, generalises worse (Karimireddy et al. 2019)") * 2,
-    "signum": ("high", "biased sign of momentum, as signSGD (Karimireddy et al. 2019)") * 2,
+    "signsgd": ("high", "biased majority vote without error feedback (scaled to the mean |g| by default): can "
+                        "fail to converge, generalises worse (Karimireddy et al. 2019)") * 2,
+    "signum": ("high", "biased sign of momentum without error feedback, as signSGD (Karimireddy et al. 2019)") * 2,
 }
 
 

@@ -88,6 +88,12 @@ def test_rerun_skips_finished_runs_and_continues_unfinished_ones(tiny):
     assert result.exit_code == 0, result.output
     assert "0 runs ran, 2 were finished before" in result.output
     assert [p.stat().st_mtime_ns for p in summaries] == mtimes
+    # A run made before a TrainConfig field existed ran with its default: still the same config.
+    stored = summaries[0].parent / "config.json"
+    old = json.loads(stored.read_text())
+    stored.write_text(json.dumps({k: v for k, v in old.items() if k != "optimizer"}))
+    result = CliRunner().invoke(app, ["sweep", str(config), "--out-dir", str(directory.parent)])
+    assert result.exit_code == 0 and "0 runs ran, 2 were finished before" in result.output, result.output
     # A sweep killed during its second run: that run has no summary yet; the rerun runs only it.
     (directory / "runs" / "topk-ratio0.1-w1-s0" / "summary.json").unlink()
     counts = run_sweep(load_sweep(config, out_dir=str(directory.parent)), log=lambda s: None, report=False)

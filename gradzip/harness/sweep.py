@@ -370,8 +370,12 @@ def _check_same_config(run: Run) -> None:
         return
     stored = json.loads(path.read_text())
     planned = json.loads(json.dumps(run.config.to_dict()))
+    # A field added to TrainConfig after the run was made is absent from its config.json: it ran with
+    # that field's default.
+    defaults = json.loads(json.dumps({f.name: f.default for f in dataclasses.fields(TrainConfig)
+                                      if f.default is not dataclasses.MISSING}))
     differ = sorted(k for k in set(stored) | set(planned)
-                    if k not in _IGNORED_IN_COMPARISON and stored.get(k) != planned.get(k))
+                    if k not in _IGNORED_IN_COMPARISON and stored.get(k, defaults.get(k)) != planned.get(k))
     if differ:
         raise ValueError(f"{run.directory} holds a run with another config (differs in {', '.join(differ)}); "
                          f"delete it or give the sweep another name")
