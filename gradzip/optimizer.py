@@ -209,6 +209,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             with torch.no_grad():
                 for b, fut in sorted(self._futures.items()):
                     for (_, p), aggregate in zip(self._buckets[b], fut.wait()):
+                        if aggregate.is_cuda:  # made on gradzip's stream, read on this one
+                            aggregate.record_stream(torch.cuda.current_stream(aggregate.device))
                         p.grad.copy_(aggregate)
         finally:
             self._futures.clear()

@@ -8,6 +8,7 @@ was finite, keeps byte and time counters for :meth:`stats`, and saves/restores e
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import os
 import queue
@@ -210,7 +211,15 @@ class GradzipState:
         """Run :meth:`exchange` on this state's single communication thread; FIFO keeps the order of
         collectives identical on every rank.  The future gets ``done(aggregates)``'s value."""
         self.transport  # connect on the caller's thread, never on the communication thread
-        fut: torch.futures.Future = torch.futures.Future()
+        device = next((g.device for _, g in named_grads if g.is_cuda), None)
+        ready = None
+        if device is not None:
+            # The thread works on a stream of its own: it waits for what the caller's stream (backward)
+            # has queued so far, and the future, being CUDA-aware, makes whoever waits on it wait for
+            # the thread's stream in turn.  No host synchronisation is needed for the ordering.
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(device))
+        fut: torch.futures.Future = torch.futures.Future(devices=[device] if device is not None else None)
         with self._lock:
             if self._closed:
                 raise RuntimeError("this GradzipState is closed (state.close(), the end of its `with` block, "
@@ -219,7 +228,7 @@ class GradzipState:
                 self._worker = threading.Thread(target=self._serve, args=(torch.get_num_threads(),),
                                                 name="gradzip-comm", daemon=True)
                 self._worker.start()
-            self._jobs.put((list(named_grads), done, fut))
+            self._jobs.put((list(named_grads), done, fut, device, ready))
         return fut
 
     def _serve(self, num_threads: int) -> None:
@@ -230,12 +239,24 @@ class GradzipState:
             job = self._jobs.get()
             if job is None:
                 return
-            named, done, fut = job
+            named, done, fut, device, ready = job
             try:
-                fut.set_result(done(self.exchange(named)))
+                with self._stream_for(device, ready):
+                    fut.set_result(done(self.exchange(named)))
             except BaseException as exc:  # handed to the waiting training loop
                 fut.set_exception(exc)
-            del job, named, done, fut  # hold no tensor while waiting for the next job
+            del job, named, done, fut, ready  # hold no tensor while waiting for the next job
+
+    def _stream_for(self, device, ready):
+        """The communication thread's own CUDA stream for ``device``, after ``ready`` (CPU: nothing)."""
+        if device is None:
+            return contextlib.nullcontext()
+        streams = self.__dict__.setdefault("_streams", {})
+        stream = streams.get(device)
+        if stream is None:
+            stream = streams[device] = torch.cuda.Stream(device)
+        stream.wait_event(ready)
+        return torch.cuda.stream(stream)
 
     def close(self, timeout: Optional[float] = 60.0) -> None:
         """Finish the exchanges already submitted, stop the communication thread, and destroy the
