@@ -314,7 +314,12 @@ class GradzipState:
         return t
 
     def state_dict(self) -> dict:
+        """Everything needed to continue bit for bit: per-tensor state, step counters, epoch, counters.
+
+        Residuals and momenta are this rank's own, so save one state_dict per rank; it records its rank.
+        """
         return {
+            "rank": self.rank,
             "compressor": self.compressor.name,
             "params": self.compressor.params(),
             "seed": self.seed,
@@ -324,10 +329,18 @@ class GradzipState:
             "totals": dict(self.totals),
         }
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, *, any_rank: bool = False) -> None:
+        """Load a :meth:`state_dict`.  One saved by another rank is refused when it holds per-tensor
+        state (that rank's residuals and momenta), unless ``any_rank=True``: loading one rank's state
+        everywhere would duplicate its error feedback and lose the others'."""
         if state.get("compressor") != self.compressor.name:
             raise ValueError(f"state_dict is for compressor {state.get('compressor')!r}, "
                              f"this state uses {self.compressor.name!r}")
+        saved_by = state.get("rank")
+        if not any_rank and saved_by is not None and saved_by != self.rank and any(state["tensors"].values()):
+            raise ValueError(f"this gradzip state_dict was saved by rank {saved_by} and holds that rank's own "
+                             f"residuals and momenta; load each rank's own (save one file per rank, e.g. "
+                             f"gradzip_rank{{rank}}.pt), or pass any_rank=True to take rank {saved_by}'s anyway")
         self.seed = int(state["seed"])
         self.epoch = None if state["epoch"] is None else int(state["epoch"])
         self.steps = dict(state["steps"])

@@ -172,3 +172,22 @@ def test_register_refuses_models_that_are_not_ddp():
 def test_hook_refuses_a_state_that_is_not_gradzips():
     with pytest.raises(TypeError, match="needs a gradzip.GradzipState"):
         gradzip.ddp_comm_hook(None, None)
+
+
+def test_a_state_dict_saved_by_another_rank_is_refused_unless_asked():
+    state = gradzip.GradzipState("topk", ratio=0.5)
+    state.exchange([("w", torch.randn(8, 8))])
+    saved = state.state_dict()
+    assert saved["rank"] == 0 and saved["tensors"]["w"]["residual"].abs().sum() > 0
+    saved["rank"] = 1
+    with pytest.raises(ValueError, match="saved by rank 1 and holds that rank's own residuals") as err:
+        gradzip.GradzipState("topk", ratio=0.5).load_state_dict(saved)
+    assert "\n" not in str(err.value)
+    taken = gradzip.GradzipState("topk", ratio=0.5)
+    taken.load_state_dict(saved, any_rank=True)
+    assert torch.equal(taken.tensors["w"]["residual"], state.tensors["w"]["residual"])
+    plain = gradzip.GradzipState("fp16")  # no per-rank state: any rank's counters load
+    plain.exchange([("w", torch.randn(8, 8))])
+    saved = plain.state_dict()
+    saved["rank"] = 1
+    gradzip.GradzipState("fp16").load_state_dict(saved)

@@ -1,0 +1,83 @@
+"""Fixtures of the conformance tier: one launch serves many tests (see launch.Plan)."""
+import os
+from pathlib import Path
+
+import pytest
+
+from .launch import Plan
+from .methods import METHODS, params
+
+HERE = Path(__file__).resolve().parent
+GPT_FEATURES = ("plain", "bf16", "fp16", "accumulate", "unused", "frozen", "static", "bucket_view", "join",
+                "compile")  # compile last: its first run compiles (about 15-60 s on 2 cores), the others reuse it
+
+
+def pytest_collection_modifyitems(config, items):
+    slow = pytest.mark.skip(reason="50 launches per method: set GRADZIP_SLOW=1 to run")
+    for item in items:
+        if HERE not in item.path.parents:
+            continue
+        if "slow" in item.keywords and os.environ.get("GRADZIP_SLOW") != "1":
+            item.add_marker(slow)
+
+
+@pytest.fixture(scope="session")
+def chars():
+    """The scripts train on the harness's character dataset; without its files they cannot run."""
+    from gradzip.harness.data import DataNotFoundError, load_dataset
+
+    try:
+        load_dataset("chars", seq_len=32)
+    except DataNotFoundError as exc:
+        pytest.skip(f"the chars dataset is missing: {exc}")
+
+
+def gpt_runs(features, methods):
+    return [{"name": f"{feature}/{method}", "method": method, "params": params(method), "feature": feature,
+             "deadline": 300 if feature == "compile" else 60}
+            for feature in features for method in methods]
+
+
+def checkpoint_runs(methods, folder):
+    """Plain training runs that save a checkpoint to ``folder``/<method>/rank<r>.pt after epoch 0."""
+    runs = []
+    for method in methods:
+        (folder / method).mkdir(parents=True, exist_ok=True)
+        runs.append({"name": f"checkpoint/{method}", "method": method, "params": params(method),
+                     "feature": "checkpoint", "save": str(folder / method)})
+    return runs
+
+
+@pytest.fixture(scope="session")
+def gpt_plan(chars, tmp_path_factory):
+    """Every method in every feature, and the checkpointing runs that test_resume.py resumes, in one
+    launch (the checkpoints first: a launch dying in a later run then does not cost the resume tests)."""
+    folder = tmp_path_factory.mktemp("gpt")
+    runs = checkpoint_runs(METHODS, folder / "ckpt") + gpt_runs(GPT_FEATURES, METHODS)
+    return Plan("gpt_ddp.py", runs, folder, timeout=480).execute()
+
+
+@pytest.fixture(scope="session")
+def resume_plan(gpt_plan, tmp_path_factory):
+    """A new process pair that loads each checkpoint written by ``gpt_plan`` and trains the last epoch."""
+    runs = [{"name": f"resumed/{run['method']}", "method": run["method"], "params": run["params"],
+             "feature": "checkpoint", "resume": run["save"]}
+            for run in gpt_plan.runs if run["feature"] == "checkpoint"]
+    return Plan("gpt_ddp.py", runs, tmp_path_factory.mktemp("resume")).execute()
+
+
+@pytest.fixture(scope="session")
+def optimizer_plan(chars, tmp_path_factory):
+    """gradzip.DistributedOptimizer runs of every method: set_to_none=True with a checkpoint after
+    epoch 0, set_to_none=False, and the resumption of the checkpoint with fresh objects, in one launch."""
+    folder = tmp_path_factory.mktemp("optimizer")
+    runs = []
+    for kind in ("checkpoint", "keep_grads", "resumed"):
+        for method in METHODS:
+            run = {"name": f"{kind}/{method}", "method": method, "params": params(method)}
+            ckpt = folder / "ckpt" / method
+            ckpt.mkdir(parents=True, exist_ok=True)
+            run.update({"checkpoint": {"save": str(ckpt)}, "keep_grads": {"set_to_none": False},
+                        "resumed": {"resume": str(ckpt)}}[kind])
+            runs.append(run)
+    return Plan("horovod_style.py", runs, folder).execute()

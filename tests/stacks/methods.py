@@ -1,0 +1,34 @@
+"""Every gradzip method with the parameters the conformance scripts give it.
+
+Defaults, except where a default would leave a small model's gradients uncompressed for the few steps
+these scripts train: DGC skips tensors under ``min_numel`` elements and warms up for 4 epochs, PowerSGD
+sends its first 10 steps densely.
+"""
+import gradzip
+
+METHODS = tuple(gradzip.compressors())
+assert "auto" in METHODS
+
+_PARAMS = {
+    "dgc": {"min_numel": 0, "warmup_epochs": 0},
+    "powersgd": {"dense_steps": 1},
+}
+
+
+def params(method: str) -> dict:
+    return dict(_PARAMS.get(method, {}))
+
+
+def deterministic(method: str) -> bool:
+    """Whether a resumed run must equal an uninterrupted one bit for bit."""
+    return gradzip.make(method, **params(method)).deterministic
+
+
+def compresses(method: str, loss_scaled: bool = False) -> bool:
+    """Whether the method sends fewer bytes than dense on these models (``none`` and ``auto`` may not).
+
+    ``threshold``'s tau is absolute: on gradients multiplied by GradScaler's loss scale (65536 at first)
+    it lets nearly every element through, and index + value pairs then cost more than dense values;
+    docs/methods.md tells users to scale tau with the loss scale or to use Top-k.
+    """
+    return method not in ("none", "auto") and not (loss_scaled and method == "threshold")

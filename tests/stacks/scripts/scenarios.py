@@ -1,0 +1,83 @@
+"""Test plumbing shared by the multi-run scripts here (not part of what a user writes).
+
+A launch reads a plan (a JSON list of runs, each a dict with at least ``name``) and calls the script's
+training function once per run, in order, on every rank.  For each run every rank writes, under
+``OUT/<name>/``:
+
+- ``rank<r>.started``  before the run begins (so a launch that dies tells which run it died in);
+- ``rank<r>.pt``       the final ``state_dict()`` of the trained model (only if the run returned);
+- ``rank<r>.json``     losses, gradzip's stats, anything else the run reports, and ``error``: the
+                       traceback if the run raised (the launch then goes on with the next run).
+
+A run that takes longer than its ``deadline`` (seconds) is taken for a hang: ``faulthandler`` prints
+every thread's stack to stderr and ends the process, and the test relaunches the runs after it.
+"""
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import math
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def main(doc: str, train) -> None:
+    """Parse ``--plan/--out/--device``, join the process group, run the plan, leave the group."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--plan", required=True, help="JSON file: the list of runs")
+    parser.add_argument("--out", required=True, help="folder for the results")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    args = parser.parse_args()
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    run_plan(args.plan, args.out, lambda **run: train(device=device, **run))
+    dist.destroy_process_group()
+
+
+def _plain(value):
+    """JSON-safe copy: non-finite floats become strings, tensors lists."""
+    if isinstance(value, torch.Tensor):
+        value = value.tolist()
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def write_result(folder, rank: int, model, report: dict) -> None:
+    """``folder``/rank<r>.pt: the model's state_dict (if a model is given); rank<r>.json: the report."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    if model is not None:
+        torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, folder / f"rank{rank}.pt")
+    (folder / f"rank{rank}.json").write_text(json.dumps(_plain({"error": None, **report})))
+
+
+def run_plan(plan_path, out, train) -> None:
+    """Call ``train(**run)`` for each run of the plan; it returns ``(model, report_dict)``."""
+    rank = dist.get_rank()
+    for run in json.loads(Path(plan_path).read_text()):
+        folder = Path(out) / run["name"]
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"rank{rank}.started").touch()
+        faulthandler.dump_traceback_later(run.get("deadline", 90), exit=True)
+        start = time.perf_counter()
+        model, report = None, {}
+        try:
+            model, report = train(**run)
+        except Exception:  # noqa: BLE001 - reported to the test, which fails this run
+            report = {"error": traceback.format_exc()}
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+        write_result(folder, rank, model, {**report, "seconds": time.perf_counter() - start})

@@ -1,0 +1,48 @@
+"""The PyTorch DDP tutorial's script with ``gradzip.register`` added, one torchrun launch (2 workers,
+gloo) per method: it must exit with code 0 (an abort at interpreter exit fails it) and end with
+bit-identical parameters on both ranks.  The ``slow`` variant launches it 50 times per method and
+counts the failed launches (target: none); run it with GRADZIP_SLOW=1.
+"""
+import pytest
+import torch
+
+from .launch import identical_across_ranks, torchrun
+from .methods import METHODS, params
+
+
+def launch_tutorial(method, out, *extra, nproc=2):
+    args = [f"--param={k}={v!r}" for k, v in params(method).items()]
+    return torchrun("ddp_tutorial.py", "--method", method, *args, "--out", out, *extra, nproc=nproc, timeout=120,
+                    log=out / "launch.log")
+
+
+def check_tutorial_run(method, out, launch, nproc=2):
+    assert launch.ok, launch.describe()
+    ranks = [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(nproc)]
+    diff = identical_across_ranks([r["final"] for r in ranks])
+    assert not diff, f"{method}: final parameters differ between ranks:\n" + "\n".join(diff)
+    for r, result in enumerate(ranks):
+        assert all(torch.isfinite(torch.tensor(result["losses"]))), f"rank {r} losses {result['losses']}"
+        assert any(not torch.equal(result["initial"][k], v) for k, v in result["final"].items()), "nothing trained"
+        stats = result["stats"]
+        assert stats["exchanges"] > 0 and stats["world_size"] == nproc, f"rank {r}: gradzip's stats {stats}"
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_tutorial_script(method, tmp_path):
+    check_tutorial_run(method, tmp_path, launch_tutorial(method, tmp_path))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", METHODS)
+def test_tutorial_script_50_times_without_an_abort(method, tmp_path):
+    failed = []
+    for i in range(50):
+        out = tmp_path / str(i)
+        out.mkdir()
+        launch = launch_tutorial(method, out)
+        if not launch.ok:
+            failed.append(launch)
+    aborts = sum(launch.aborted for launch in failed)
+    assert not failed, (f"{method}: {len(failed)} of 50 launches failed, {aborts} of them with SIGABRT; "
+                        f"the first:\n{failed[0].describe()}")

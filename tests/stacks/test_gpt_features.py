@@ -1,0 +1,29 @@
+"""A character-level GPT trained by a user script with DDP + gradzip and one training-script feature
+per run (AdamW, bf16/fp16 autocast, GradScaler, no_sync accumulation, torch.compile, unused and frozen
+parameters, static graph, bucket views, uneven inputs under Join): every method in every feature.
+
+Each run must complete, end with bit-identical parameters on both ranks, lower the held-out loss, and
+go through gradzip (its stats count exchanges over 2 workers; compressing methods send fewer bytes).
+"""
+import pytest
+
+from .conftest import GPT_FEATURES
+from .methods import METHODS, compresses
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("feature", GPT_FEATURES)
+def test_feature(gpt_plan, feature, method):
+    check_gpt_run(gpt_plan.result(f"{feature}/{method}"), method, loss_scaled=feature == "fp16")
+
+
+def check_gpt_run(result, method, world_size=2, loss_scaled=False):
+    result.assert_ranks_identical()
+    result.assert_learned()
+    result.assert_gradzip_exchanged(world_size)
+    if compresses(method, loss_scaled):
+        result.assert_compressed()
+
+
+def test_launches_exit_cleanly(gpt_plan):
+    gpt_plan.assert_exit_codes()
