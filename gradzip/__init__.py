@@ -12,4 +12,5 @@ from .state import GradzipState
 from .diloco import DiLoCo
 
 __version__ = "0.1.0"
-__all__ = ["compressors", "make", "parameters_of", "register", "ddp_comm_hook", "DistributedOptimizer", "GradzipState"]
+__all__ = ["compressors", "make", "parameters_of", "register", "ddp_comm_hook", "DistributedOptimizer", "GradzipState",
+           "DiLoCo"]
