@@ -90,7 +90,7 @@ class GradzipState:
         if group is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             # A process group of gradzip's own (same ranks and backend as the default group): its
             # collectives, issued from the communication thread, never interleave with the script's.
-            group = self._own_group = dist.new_group()
+            group = self._own_group = dist.new_group(timeout=_default_group_timeout())
         self._transport = transport_for(group)
 
     @property
@@ -346,6 +346,18 @@ class GradzipState:
         self.steps = dict(state["steps"])
         self.tensors = {k: {n: v.clone() for n, v in slot.items()} for k, slot in state["tensors"].items()}
         self.totals.update(state.get("totals", {}))
+
+
+def _default_group_timeout():
+    """The timeout given to ``init_process_group``: ``new_group()`` without one takes the backend's
+    default (30 minutes for gloo), so a dead peer would hang gradzip's collectives that long."""
+    world = dist.group.WORLD
+    for device_type in getattr(world, "_device_types", ()) or (torch.device("cpu"),):
+        try:
+            return world._get_backend(torch.device(device_type)).options._timeout
+        except (AttributeError, RuntimeError):  # a backend without options
+            continue
+    return None
 
 
 # -- teardown ------------------------------------------------------------------------------------------

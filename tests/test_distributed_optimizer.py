@@ -7,7 +7,6 @@ a module fixture); each scenario reports its own error, so one broken feature fa
 from __future__ import annotations
 
 import os
-import traceback
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gradzip
+from tests.workers import run_scenarios
 from tests import workers
 from tests.distributed import run_workers
 
@@ -256,13 +256,7 @@ SCENARIOS = ["schedulers", "grad_scaler", "unscale_clip", "grad_after_backward",
 
 
 def _scenarios(rank, world, tmp):
-    out = {}
-    for name in SCENARIOS:
-        try:
-            out[name] = globals()[f"scenario_{name}"](rank, world, tmp)
-        except Exception:  # reported by that scenario's test; every rank raises alike, so they stay in step
-            out[name] = {"error": traceback.format_exc()}
-    return out
+    return run_scenarios({name: globals()[f"scenario_{name}"] for name in SCENARIOS}, rank, world, tmp)
 
 
 # -- tests ----------------------------------------------------------------------------------------------------

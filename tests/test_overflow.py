@@ -5,7 +5,6 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import gradzip

@@ -310,3 +310,17 @@ def auto_on_a_slow_link(rank, world, steps, busy_after_compressed_s):
     cost = {key: slot.get("auto_step_cost") for key, slot in state.tensors.items()}
     residual = any("residual" in slot for slot in state.tensors.values())
     return _flat(model), state.compressor.choices(state.tensors), cost, residual
+
+
+def run_scenarios(scenarios: dict, rank: int, world: int, tmp) -> dict:
+    """Run each ``name -> fn(rank, world, tmp)`` in one worker; a failing scenario's traceback is its
+    result, reported by that scenario's test (every rank raises alike, so the ranks stay in step)."""
+    import traceback
+
+    out = {}
+    for name, fn in scenarios.items():
+        try:
+            out[name] = fn(rank, world, tmp)
+        except Exception:
+            out[name] = {"error": traceback.format_exc()}
+    return out
