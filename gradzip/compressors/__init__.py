@@ -87,5 +87,6 @@ def make(name: str | Compressor, **params) -> Compressor:
 
 # Importing the family modules registers their classes (order = listing order).
 from . import dense, sparse, quantize, sign, lowrank, auto  # noqa: E402,F401
+from . import sparseloco  # noqa: E402,F401
 
 __all__ = ["Compressor", "register", "compressors", "compressor_class", "parameters_of", "make", "parse_value", "parse_spec"]
