@@ -42,6 +42,9 @@ def train(
     compressor: str = typer.Option("none", "--compressor", "-c", help="see `gradzip methods`"),
     param: List[str] = typer.Option([], "--param", "-p", help="compressor parameter KEY=VALUE (repeatable)"),
     integration: str = typer.Option("ddp", help="ddp (comm hook) | optimizer (DistributedOptimizer)"),
+    outer: Optional[str] = typer.Option(None, help='DiLoCo outer loop instead of DDP, e.g. "diloco:sync_every=50,'
+                                        'fragments=4" (also outer_lr, outer_momentum, nesterov); -c compresses '
+                                        'the pseudo-gradient'),
     workers: int = typer.Option(2, "--workers", "-n", help="local worker processes (ignored under torchrun)"),
     epochs: int = 1,
     batch_size: int = typer.Option(32, help="per worker"),
@@ -70,8 +73,8 @@ def train(
 
     try:
         config = TrainConfig(model=model, dataset=dataset, data_dir=data_dir, compressor=compressor,
-                             params=parse_params(param), integration=integration, workers=workers, epochs=epochs,
-                             batch_size=batch_size, optimizer=optimizer, lr=lr, momentum=momentum,
+                             params=parse_params(param), integration=integration, outer=outer, workers=workers,
+                             epochs=epochs, batch_size=batch_size, optimizer=optimizer, lr=lr, momentum=momentum,
                              weight_decay=weight_decay, lr_warmup_epochs=lr_warmup_epochs, clip=clip, seed=seed,
                              target=target, train_size=train_size, test_size=test_size, validation=validation,
                              max_steps=max_steps, seq_len=seq_len, netem=netem, checkpoint_steps=checkpoint_steps,
@@ -144,7 +147,15 @@ def _check_data(config) -> None:
 
     _, info = load_dataset(config.dataset, data_dir=config.data_dir, train=False, seq_len=config.seq_len,
                            synthetic_shape=config.synthetic_shape)
-    build_model(config.model, info)  # an unknown model, or one for the other task
+    net = build_model(config.model, info)  # an unknown model, or one for the other task
+    if config.outer is not None:
+        from .harness.trainer import parse_outer
+
+        tensors = sum(p.requires_grad for p in net.parameters())
+        fragments = parse_outer(config.outer).get("fragments", 1)
+        if fragments > tensors:
+            raise ValueError(f"outer option fragments must be at most {tensors}, the number of {config.model}'s "
+                             f"parameter tensors, got {fragments}")
 
 
 @app.command()
@@ -167,12 +178,15 @@ def sweep(
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
     if dry_run:
+        def method(c):
+            return f"{c.compressor} {c.params}" + (f" outer={c.outer}" if c.outer else "")
+
         for run in tuning:
-            typer.echo(f"tune {run.name}: {run.config.compressor} {run.config.params} lr={run.config.lr:g} "
+            typer.echo(f"tune {run.name}: {method(run.config)} lr={run.config.lr:g} "
                        f"validation={run.config.validation:g}")
         for run in {r.name: r for r in runs}.values():
             lr = "tuned" if run.tuned else f"{run.config.lr:g}"
-            typer.echo(f"run  {run.name}: {run.config.compressor} {run.config.params} lr={lr}")
+            typer.echo(f"run  {run.name}: {method(run.config)} lr={lr}")
         typer.echo(f"{len(tuning)} tuning runs and {len({r.name for r in runs})} runs in {plan.directory} (a tuned "
                    f"run whose lr turns out to be the untuned one's shares that run)")
         return
@@ -221,7 +235,7 @@ def bench_e2e(
                                                "gives medians, and each ratio's median and range over repeats"),
 ):
     """Epoch time, step time and accuracy of dense, PyTorch's hooks, the no-communication limit and
-    gradzip's methods on emulated links (needs root for --link rate=...)."""
+    gradzip's methods, alone and in DiLoCo's outer loop, on emulated links (needs root for --link rate=...)."""
     from .bench import e2e
 
     contenders = e2e.CONTENDERS
@@ -254,6 +268,8 @@ def advise(
     workers: Optional[int] = typer.Option(None, "--workers", "-n",
                                           help="number of workers to project for (default: the torchrun job's size, else 2)"),
     method: List[str] = typer.Option([], "--method", "-m", help='e.g. "topk:ratio=0.01" (repeatable)'),
+    outer: List[str] = typer.Option([], help='also each method in DiLoCo\'s outer loop, e.g. "diloco:sync_every=50" '
+                                         '(repeatable)'),
     batch_size: int = 32,
     overlap: Optional[float] = typer.Option(None, help="fraction of communication hidden (default: DDP's bucket timeline)"),
 ):
@@ -266,7 +282,7 @@ def advise(
     try:
         run_advise(model, dataset, netem=netem, bandwidth=bandwidth,
                    alpha=None if alpha_us is None else alpha_us * 1e-6, workers=workers, methods=method or None,
-                   batch_size=batch_size, overlap=overlap, data_dir=data_dir, echo=typer.echo)
+                   outer=outer, batch_size=batch_size, overlap=overlap, data_dir=data_dir, echo=typer.echo)
     except (ValueError, PermissionError, FileNotFoundError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)

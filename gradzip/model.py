@@ -51,8 +51,8 @@ from .collectives import LocalTransport, free_port, wait_for_workers
 from .state import GradzipState
 
 __all__ = ["Link", "fit_link", "Collective", "RecordingTransport", "ddp_buckets", "MethodProfile",
-           "profile_method", "Timeline", "step_time", "project", "format_projection", "fit_overlap", "Compute",
-           "measure_compute",
+           "profile_method", "Timeline", "step_time", "outer_step_time", "project", "format_projection",
+           "fit_overlap", "Compute", "measure_compute",
            "time_allreduces", "measure_link", "run_workers", "DEFAULT_ALPHA", "WORKER_COUNTS"]
 
 #: Per-message latency used when only a bandwidth is given.  gloo over TCP between two idle processes
@@ -350,6 +350,19 @@ def step_time(profile: MethodProfile, compute_s: float, link: Link, n: int, over
         step = max(end, free) + compute_s - end + codec
     return {"compute_s": compute_s, "codec_s": codec, "comm_s": comm, "step_s": step,
             "hidden_s": compute_s + codec + comm - step}
+
+
+def outer_step_time(profile: MethodProfile, compute_s: float, link: Link, n: int, sync_every: int) -> dict:
+    """DiLoCo's mean inner step (:class:`gradzip.DiLoCo`): the local step, plus one exchange of the whole
+    model through the method (its collectives and codec, as profiled on gradients) every ``sync_every``
+    steps.  A sync runs on the caller's thread between steps, so none of it is hidden.  Fragments send
+    1/F of the model F times as often: the same bytes per step, F times the latency (not modelled)."""
+    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+        raise ValueError(f"sync_every must be an integer >= 1, got {sync_every!r}")
+    sync = step_time(profile, 0.0, link, n)  # no compute, no overlap: one exchange's codec and communication
+    codec, comm = sync["codec_s"] / sync_every, sync["comm_s"] / sync_every
+    return {"compute_s": compute_s, "codec_s": codec, "comm_s": comm, "step_s": compute_s + codec + comm,
+            "hidden_s": 0.0}
 
 
 def project(profiles: Sequence[MethodProfile], compute_s: float, link: Link,

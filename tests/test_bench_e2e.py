@@ -24,6 +24,23 @@ def test_tiny_unthrottled_run_reports_every_contender(tmp_path):
     assert e2e.load(str(tmp_path / "r.json")) == results
 
 
+def test_diloco_contenders_exist_and_run_with_bytes_per_inner_step(tmp_path):
+    """The outer-loop contenders (H=50 in the benchmark; H=3 here, to sync twice in 6 steps)."""
+    diloco = [c for c in e2e.CONTENDERS if len(c) > 4]
+    assert [(c[0], c[2], c[4]) for c in diloco] == [("gradzip diloco H=50", "none", "diloco:sync_every=50"),
+                                                    ("gradzip diloco H=50 topk 1%", "topk", "diloco:sync_every=50")]
+    label, baseline, compressor, params, outer = diloco[1]
+    results = e2e.run(links=["unthrottled"], workers=2, steps=6, test_size=100, out_dir=str(tmp_path),
+                      contenders=[(label, baseline, compressor, params, outer.replace("50", "3"))],
+                      log=lambda line: None)
+    (r,) = results
+    assert r.error is None and r.step_s > 0 and 0 <= r.accuracy <= 1
+    cnn_bytes = 4 * 1_199_882  # PyTorch's MNIST example CNN in fp32: what DDP allreduces every step
+    assert 0 < r.mb_sent * 2**20 < 2 * cnn_bytes / 20  # 2 syncs of 1% of the model (values and indices)
+    assert (f"| gradzip diloco H=50 topk 1% | {r.epoch_s:.2f} | {1000 * r.step_s:.1f} | {r.accuracy:.4f} | "
+            f"{r.mb_sent:.1f} | {r.mb_sent * 1024 / 6:.1f} |") in e2e.table(results, 6, 2)
+
+
 def test_targets_say_not_met_and_name_crashes():
     rows = [e2e.Result("rate=100mbit", "dense allreduce", 10.0, 0.1, 0.80),
             e2e.Result("rate=100mbit", "torch fp16 hook", 5.0, 0.05, 0.80),
@@ -88,7 +105,7 @@ def test_repeats_give_medians_and_ratios_paired_within_each_repeat():
     assert e2e._ratios(rows, "unthrottled", "gradzip auto", "dense allreduce") == pytest.approx([1.02, 1.04, 1.03])
     text = e2e.table(rows, 300, 4)
     assert "Median of 3 repeats" in text
-    assert "| gradzip auto | 22.66 | 75.5 | 0.8510 | - | 0.97x (0.96-0.98) | - |" in text
+    assert "| gradzip auto | 22.66 | 75.5 | 0.8510 | - | - | 0.97x (0.96-0.98) | - |" in text
     assert "auto 1.030x dense's epoch time (1.020x-1.040x over 3 repeats)" in text
     assert "(at most 1.03x dense: met)" in text
 

@@ -53,7 +53,7 @@ def _outer_params(name):
 
 
 # -- scenarios (run in the spawned processes) -------------------------------------------------------------
-# Error feedback in place of outer momentum, with existing methods (docs/diloco.md; not SparseLoCo itself).
+# Top-k with bf16 values and residual error feedback in place of outer momentum: the other way to drop it.
 TOPK_NO_MOMENTUM = ("topk", {"ratio": 0.05, "value_dtype": "bfloat16"}, 0.0)
 
 

@@ -152,18 +152,59 @@ def test_gpt_on_chars_trains_with_adamw_and_topk_and_resumes_exactly_from_a_weig
     assert saved["optimizer"]["state"][0]["exp_avg"].shape == saved["model"]["tok.weight"].shape  # AdamW's
     assert any("residual" in slot for slot in saved["gradzip"]["tensors"].values())
 
-    # The same run killed after epoch 1: its epoch-1 checkpoints, resumed, give epoch 2 bit for bit.
-    cut = tmp_path / "cut" / "gpt"
+    _resume_after_epoch_1_gives_the_same_run(args, run, tmp_path / "cut")
+
+
+def _resume_after_epoch_1_gives_the_same_run(args, run: Path, out: Path, steps: int = 5, ranks: int = 2):
+    """``run`` (2 epochs of ``steps`` steps, made by ``args``) killed after epoch 1: its epoch-1 checkpoints,
+    resumed into ``out``, give epoch 2 bit for bit, on every rank."""
+    cut = out / run.name
     cut.mkdir(parents=True)
-    for name in ("checkpoint-rank0-step5.pt", "checkpoint-rank1-step5.pt"):
+    for rank in range(ranks):
+        name = f"checkpoint-rank{rank}-step{steps}.pt"
         (cut / name).write_bytes((run / name).read_bytes())
     (cut / "metrics.jsonl").write_text("".join(line + "\n" for line in (run / "metrics.jsonl").read_text()
-                                               .splitlines()[:6]))
-    result = CliRunner().invoke(app, [*args, "--out-dir", str(tmp_path / "cut"), "--resume"])
+                                               .splitlines()[:steps + 1]))
+    result = CliRunner().invoke(app, [*args, "--out-dir", str(out), "--resume"])
     assert result.exit_code == 0, result.output
-    whole, resumed = _final_params(run), _final_params(cut)
-    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
-    assert (cut / "metrics.jsonl").read_text().count('"kind": "step"') == 10
+    for rank in range(ranks):
+        whole, resumed = _final_params(run, rank), _final_params(cut, rank)
+        assert all(torch.equal(whole[k], resumed[k]) for k in whole), f"rank {rank}"
+    assert [r["loss"] for r in _steps(cut)] == [r["loss"] for r in _steps(run)] and len(_steps(cut)) == 2 * steps
+
+
+def _steps(run: Path) -> list:
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if r["kind"] == "step"]
+
+
+def test_outer_loop_trains_replicas_with_diloco_and_resumes_exactly_mid_period(tmp_path):
+    """--outer: no DDP, each rank its own replica and AdamW, DiLoCo's top-k pseudo-gradient every 3 steps
+    in 2 staggered fragments; the epoch-1 checkpoint (step 5) falls inside a period."""
+    args = ["train", "--model", "gpt", "--dataset", "chars", "-n", "2", "--outer", "diloco:sync_every=3,fragments=2",
+            "-c", "topk", "-p", "ratio=0.1", "--optimizer", "adamw", "--lr", "0.003", "--seq-len", "32",
+            "--batch-size", "8", "--max-steps", "5", "--test-size", "16", "--epochs", "2", "--no-progress",
+            "--name", "outer"]
+    result = CliRunner().invoke(app, [*args, "--out-dir", str(tmp_path / "whole")])
+    assert result.exit_code == 0, result.output
+    run = tmp_path / "whole" / "outer"
+    steps = _steps(run)
+    # Fragment 1 syncs at steps 1, 4, 7, 10, fragment 0 at 3, 6, 9: bytes only on those steps.
+    assert [r["step"] for r in steps if r["bytes_sent"] > 0] == [1, 3, 4, 6, 7, 9, 10]
+    assert [r["syncs"] for r in steps] == [1, 1, 2, 3, 3, 4, 5, 5, 6, 7]
+    assert steps[-1]["bytes_per_inner_step"] == pytest.approx(sum(r["bytes_sent"] for r in steps) / 10)
+    assert steps[-1]["bytes_per_inner_step"] < steps[-1]["ddp_bytes_per_inner_step"] / 5
+    assert steps[-1]["loss"] < steps[0]["loss"] - 0.5
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["outer"] == "diloco:sync_every=3,fragments=2" and summary["syncs"] == 7
+    assert summary["evaluated"].startswith("theta_g") and summary["total_bytes_sent"] == sum(
+        r["bytes_sent"] for r in steps)
+    saved = [torch.load(run / f"checkpoint-rank{r}-step10.pt", weights_only=True) for r in (0, 1)]
+    assert "gradzip" not in saved[0] and saved[0]["outer"]["inner_steps"] == 10
+    theta = [s["outer"]["theta"] for s in saved]
+    assert all(torch.equal(theta[0][k], theta[1][k]) for k in theta[0])  # theta_g: equal on every rank
+    assert not all(torch.equal(saved[0]["model"][k], saved[1]["model"][k]) for k in theta[0])  # replicas: not
+    _resume_after_epoch_1_gives_the_same_run(args, run, tmp_path / "cut")
 
 
 

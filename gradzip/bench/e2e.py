@@ -2,7 +2,8 @@
 
 For each link (an emulated cluster per setting, one network namespace per worker) it trains the
 Fashion-MNIST CNN with every contender — DDP's own allreduce, PyTorch's fp16 and PowerSGD hooks, a
-no-communication hook (the compute-only limit) and gradzip's methods — for the same number of steps,
+no-communication hook (the compute-only limit), gradzip's methods, and DiLoCo's outer loop (each worker
+steps its own replica and they exchange pseudo-gradients every H steps) — for the same number of steps,
 and reports the training epoch time, step time and test accuracy, with ratios against dense and
 against the limit, all measured in the same run.  A contender that crashes is reported as crashed.
 
@@ -25,7 +26,7 @@ from ..harness.trainer import TrainConfig, launch
 
 LINKS = ("rate=100mbit", "rate=1gbit", "rate=10gbit", "unthrottled")
 
-# (label, baseline hook or None, gradzip compressor, its parameters)
+# (label, baseline hook or None, gradzip compressor, its parameters[, outer loop: TrainConfig.outer])
 CONTENDERS = [
     ("dense allreduce", "allreduce", "none", {}),
     ("torch fp16 hook", "torch-fp16", "none", {}),
@@ -37,6 +38,8 @@ CONTENDERS = [
     ("gradzip topk 1%", None, "topk", {"ratio": 0.01}),
     ("gradzip efsignsgd", None, "efsignsgd", {}),
     ("gradzip auto", None, "auto", {}),
+    ("gradzip diloco H=50", None, "none", {}, "diloco:sync_every=50"),
+    ("gradzip diloco H=50 topk 1%", None, "topk", {"ratio": 0.01}, "diloco:sync_every=50"),
 ]
 
 
@@ -73,14 +76,15 @@ def run(links=LINKS, workers: int = 4, steps: int = 300, batch_size: int = 32, l
     results = []
     for link in links:
         timeout_s, stall_s = max(300.0, 5.0 * steps), None
-        for repeat, (i, (label, baseline, compressor, params)) in itertools.product(range(repeats),
-                                                                                   enumerate(contenders)):
+        for repeat, (i, contender) in itertools.product(range(repeats), enumerate(contenders)):
+            label, baseline, compressor, params = contender[:4]
+            outer = contender[4] if len(contender) > 4 else None
             tag = f"-r{repeat}" if repeats > 1 else ""
             name = f"{link.replace('=', '-')}-{label.replace(' ', '_')}{tag}"
-            config = TrainConfig(compressor=compressor, params=dict(params), baseline=baseline, workers=workers,
-                                 epochs=1, max_steps=steps, batch_size=batch_size, lr=lr, test_size=test_size,
-                                 netem=None if link == "unthrottled" else link, out_dir=out_dir, timeout_s=timeout_s,
-                                 stall_s=stall_s, name=name, progress=False)
+            config = TrainConfig(compressor=compressor, params=dict(params), baseline=baseline, outer=outer,
+                                 workers=workers, epochs=1, max_steps=steps, batch_size=batch_size, lr=lr,
+                                 test_size=test_size, netem=None if link == "unthrottled" else link,
+                                 out_dir=out_dir, timeout_s=timeout_s, stall_s=stall_s, name=name, progress=False)
             start = time.perf_counter()
             try:
                 launch(config)
@@ -146,23 +150,24 @@ def table(results: list[Result], steps: int, workers: int) -> str:
     (with several repeats: medians, and each ratio's median and range over the repeats)."""
     repeats = len({r.repeat for r in results})
     lines = [f"{workers} workers, Fashion-MNIST CNN, batch 32 per worker, {steps} steps per 'epoch'; test accuracy "
-             f"after them." + (f" Median of {repeats} repeats; ratios within each repeat, then their median "
-                               f"(range)." if repeats > 1 else ""), ""]
+             f"after them (DiLoCo: of its global parameters); KiB/step: sent per worker per (inner) step."
+             + (f" Median of {repeats} repeats; ratios within each repeat, then their median (range)."
+                if repeats > 1 else ""), ""]
     combined = medians(results)
     for link in dict.fromkeys(r.link for r in combined):
         rows = [r for r in combined if r.link == link]
         dense = next((r for r in rows if r.label.startswith("dense") and r.error is None), None)
         limit = next((r for r in rows if r.label.startswith("no communication") and r.error is None), None)
         lines += [f"### {link}", "",
-                  "| method | epoch s | step ms | test acc | MiB sent/worker | speedup vs dense | x limit |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| method | epoch s | step ms | test acc | MiB sent/worker | KiB/step | speedup vs dense | x limit |",
+                  "|---|---|---|---|---|---|---|---|"]
         for r in rows:
             if r.error:
-                lines.append(f"| {r.label} | crashed: {r.error} | | | | | |")
+                lines.append(f"| {r.label} | crashed: {r.error} | | | | | | |")
                 continue
             speed = _ratio_text(_ratios(results, link, dense.label, r.label), "x") if dense else "-"
             vs_limit = _ratio_text(_ratios(results, link, r.label, limit.label)) if limit else "-"
-            sent = f"{r.mb_sent:.1f}" if r.mb_sent is not None else "-"
+            sent = f"{r.mb_sent:.1f} | {r.mb_sent * 1024 / steps:.1f}" if r.mb_sent is not None else "- | -"
             lines.append(f"| {r.label} | {r.epoch_s:.2f} | {1000 * r.step_s:.1f} | {r.accuracy:.4f} | {sent} | "
                          f"{speed} | {vs_limit} |")
         lines.append("")

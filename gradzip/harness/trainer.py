@@ -2,18 +2,23 @@
 
 ``launch(config)`` starts ``config.workers`` local processes (torch.multiprocessing + gloo, NCCL when
 CUDA is present), or, under ``torchrun``, runs the current process as one worker of torchrun's group.
-Each worker trains with DDP + ``gradzip.register`` (or ``gradzip.DistributedOptimizer``), shards data with
-DistributedSampler, and rank 0 writes ``runs/<name>/metrics.jsonl`` (one line per step and per epoch),
-TensorBoard scalars and ``summary.json``.  Every rank checkpoints its own file (the model and optimizer
-are identical everywhere, the residuals are not) each epoch and every ``checkpoint_steps`` steps;
+Each worker trains with DDP + ``gradzip.register`` (or ``gradzip.DistributedOptimizer``; with ``outer``, its
+own replica under ``gradzip.DiLoCo``'s outer loop), shards data with DistributedSampler, and rank 0 writes
+``runs/<name>/metrics.jsonl`` (one line per step and per epoch), TensorBoard scalars and ``summary.json``.
+Every rank checkpoints its own file (residuals differ between ranks; under DiLoCo, replicas and optimizers
+too) each epoch and every ``checkpoint_steps`` steps;
 ``resume`` continues bit for bit, and a worker restarted by ``torchrun --max-restarts`` resumes by itself.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import inspect
 import json
 import math
+import numbers
 import os
+import re
 import signal
 import time
 from dataclasses import dataclass, field
@@ -28,14 +33,56 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 import gradzip
 from gradzip.collectives import free_port, wait_for_workers
+from gradzip.compressors import parse_value
 
 from .data import load_dataset
 from .models import build_model
 
-__all__ = ["TrainConfig", "launch", "run_dir", "BASELINES"]
+__all__ = ["TrainConfig", "launch", "run_dir", "parse_outer", "BASELINES", "OUTER_OPTIONS"]
 
 BASELINES = ("allreduce", "torch-fp16", "torch-powersgd", "nocomm")
 OPTIMIZERS = ("sgd", "adamw")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+# The gradzip.DiLoCo options an ``outer`` spec may set: (check, what the value must be).
+OUTER_OPTIONS = {
+    "sync_every": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "fragments": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "outer_lr": (lambda v: _is_number(v) and v > 0, "a number > 0"),
+    "outer_momentum": (lambda v: _is_number(v) and 0 <= v < 1, "a number in [0, 1)"),
+    "nesterov": (lambda v: isinstance(v, bool), "true or false"),
+}
+
+
+def parse_outer(spec: str) -> dict:
+    """``"diloco:sync_every=50,fragments=4"`` -> the options of ``gradzip.DiLoCo``: ``{"sync_every": 50,
+    "fragments": 4}``.  sync_every is required; bad input raises a one-line ValueError naming the valid keys."""
+    name, _, rest = str(spec).partition(":")
+    if name.strip() != "diloco":
+        raise ValueError(f"outer must be 'diloco:sync_every=H[,KEY=VALUE...]' (DiLoCo is the only outer loop), "
+                         f"got {spec!r}")
+    options = {}
+    for item in filter(None, (p.strip() for p in rest.split(","))):
+        key, eq, raw = (part.strip() for part in item.partition("="))
+        if not eq or key not in OUTER_OPTIONS:
+            raise ValueError(f"bad outer option {item!r} in {spec!r}; valid keys: {', '.join(OUTER_OPTIONS)} "
+                             f"(KEY=VALUE)")
+        check, what = OUTER_OPTIONS[key]
+        options[key] = parse_value(raw)
+        if not check(options[key]):
+            raise ValueError(f"outer option {key} must be {what}, got {raw!r} in {spec!r}")
+    if "sync_every" not in options:
+        raise ValueError(f"outer {spec!r} needs sync_every=H (inner steps between syncs); valid keys: "
+                         f"{', '.join(OUTER_OPTIONS)}")
+    return options
 
 
 @dataclass
@@ -48,6 +95,10 @@ class TrainConfig:
     compressor: str = "none"
     params: dict = field(default_factory=dict)
     integration: str = "ddp"  # "ddp" (comm hook) or "optimizer" (DistributedOptimizer)
+    # DiLoCo's outer loop instead of DDP, e.g. "diloco:sync_every=50,fragments=4" (see parse_outer): each rank
+    # trains its replica with the optimizer above, and every sync_every steps the compressor sends the
+    # pseudo-gradient.
+    outer: Optional[str] = None
     # Instead of gradzip, a reference DDP hook: "allreduce" (DDP's own), "torch-fp16" and "torch-powersgd"
     # (PyTorch's ddp_comm_hooks), or "nocomm" (no exchange at all: the compute-only limit).
     baseline: Optional[str] = None
@@ -97,7 +148,16 @@ class TrainConfig:
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         compressor = gradzip.make(self.compressor, **self.params)  # fail early, in the launcher, on a bad method
-        if self.optimizer == "adamw" and compressor.applies_momentum:
+        if self.outer is not None:
+            if self.baseline is not None or self.integration != "ddp":
+                raise ValueError("outer replaces DDP and DistributedOptimizer: use it without a baseline and with "
+                                 "integration 'ddp' (the default)")
+            default = inspect.signature(gradzip.DiLoCo).parameters["outer_momentum"].default
+            momentum = parse_outer(self.outer).get("outer_momentum", default)
+            if compressor.applies_momentum and momentum > 0:
+                raise ValueError(f"compressor {self.compressor!r} applies momentum to the pseudo-gradient itself: "
+                                 f"add outer_momentum=0 to outer")
+        elif self.optimizer == "adamw" and compressor.applies_momentum:
             raise ValueError(f"compressor {self.compressor!r} applies momentum itself and AdamW applies its own: "
                              f"use --optimizer sgd")
         if self.netem is not None:
@@ -105,7 +165,8 @@ class TrainConfig:
 
             parse_netem(self.netem)
         if self.name is None:
-            self.name = f"{self.model}-{self.dataset}-{self.compressor}-w{self.workers}-s{self.seed}"
+            loop = "" if self.outer is None else "-" + re.sub(r"[^A-Za-z0-9._+-]", "_", self.outer)
+            self.name = f"{self.model}-{self.dataset}-{self.compressor}{loop}-w{self.workers}-s{self.seed}"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -353,8 +414,9 @@ def _optimizer(config: TrainConfig, parameters) -> tuple[torch.optim.Optimizer, 
     """The run's optimizer and the compressor's parameters to use with it."""
     params = dict(config.params)
     # A method that applies momentum itself (DGC's momentum correction, Signum) gets none from the
-    # optimizer on top; DGC takes the run's momentum, Signum keeps its own beta.
-    own_momentum = gradzip.make(config.compressor, **params).applies_momentum
+    # optimizer on top; DGC takes the run's momentum, Signum keeps its own beta.  Under an outer loop the
+    # method compresses pseudo-gradients, not this optimizer's gradients: the optimizer keeps its momentum.
+    own_momentum = config.outer is None and gradzip.make(config.compressor, **params).applies_momentum
     if own_momentum and "momentum" in gradzip.parameters_of(config.compressor) and "momentum" not in params:
         params["momentum"] = config.momentum
     if config.optimizer == "adamw":  # TrainConfig refuses AdamW with a method that applies momentum
@@ -373,7 +435,13 @@ def _train(rank, world, config, device, torchrun, ticks=None):
     model = build_model(config.model, info).to(device)
 
     optimizer, params = _optimizer(config, model.parameters())
-    if config.integration == "ddp":
+    outer = None
+    if config.outer is not None:  # each rank steps its own replica; DiLoCo syncs every sync_every steps
+        net, opt = model, optimizer
+        outer = gradzip.DiLoCo(model, optimizer, compressor=config.compressor, seed=config.seed,
+                               **parse_outer(config.outer), **params)
+        state = outer.state
+    elif config.integration == "ddp":
         net = nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
         if config.baseline is None:
             state = gradzip.register(net, config.compressor, seed=config.seed, **params)
@@ -403,7 +471,10 @@ def _train(rank, world, config, device, torchrun, ticks=None):
         saved = torch.load(_checkpoint_path(directory, rank, resume_step), map_location=device, weights_only=True)
         model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
-        state.load_state_dict(saved["gradzip"])
+        if outer is None:
+            state.load_state_dict(saved["gradzip"])
+        else:  # after DiLoCo's constructor, whose broadcast of rank 0's replica would overwrite this one
+            outer.load_state_dict(saved["outer"])
         start_epoch, start_batch, global_step = saved["epoch"], saved["batch"], saved["global_step"]
         elapsed, lines, reached = saved["elapsed"], saved["metrics_lines"], saved.get("reached")
     writer = _Writer(directory, lines) if rank == 0 else None
@@ -415,8 +486,9 @@ def _train(rank, world, config, device, torchrun, ticks=None):
             _checkpoint_path(directory, rank, stale).unlink()
 
     def checkpoint(epoch, batch):
+        exchange = {"gradzip": state.state_dict()} if outer is None else {"outer": outer.state_dict()}
         _save(directory, rank, global_step, {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                     "gradzip": state.state_dict(), "epoch": epoch, "batch": batch, "global_step": global_step,
+                     **exchange, "epoch": epoch, "batch": batch, "global_step": global_step,
                      "elapsed": elapsed + time.perf_counter() - t_start,
                      "metrics_lines": writer.lines if writer else None, "reached": reached})
 
@@ -432,7 +504,8 @@ def _train(rank, world, config, device, torchrun, ticks=None):
     step_times: dict = {}  # this process's sums (rank 0), for the summary's mean step breakdown
     for epoch in range(start_epoch, config.epochs):
         sampler.set_epoch(epoch)
-        state.set_epoch(epoch)
+        if outer is None:  # under DiLoCo, step-counted schedules (DGC's warm-up) count syncs, as documented
+            state.set_epoch(epoch)
         before_epoch = state.stats()
         sums = torch.zeros(3, dtype=torch.float64)
         epoch_t = time.perf_counter()
@@ -456,6 +529,8 @@ def _train(rank, world, config, device, torchrun, ticks=None):
                     opt.synchronize()
                 nn.utils.clip_grad_norm_(model.parameters(), config.clip)
             opt.step()
+            if outer is not None:
+                outer.step()
             step_s = time.perf_counter() - t0
             global_step += 1
             after = state.stats()
@@ -463,6 +538,8 @@ def _train(rank, world, config, device, torchrun, ticks=None):
             if writer:
                 record = _step_record(epoch, global_step, loss.item(), correct.item() / count, lr, step_s,
                                       before, after, elapsed + time.perf_counter() - t_start, language_model)
+                if outer is not None:
+                    record.update(_outer_fields(outer))
                 writer.write(record)
                 for key in _TIMES:
                     step_times[key] = step_times.get(key, 0.0) + record[key]
@@ -473,7 +550,8 @@ def _train(rank, world, config, device, torchrun, ticks=None):
         train_s = time.perf_counter() - epoch_t
         if world > 1:
             dist.all_reduce(sums)
-        eval_loss, eval_acc = _evaluate(model, eval_set, rank, world, device, language_model, tick=tick)
+        with _global_parameters(outer, model):
+            eval_loss, eval_acc = _evaluate(model, eval_set, rank, world, device, language_model, tick=tick)
         wall = elapsed + time.perf_counter() - t_start
         score = math.exp(min(eval_loss, 50)) if language_model else eval_acc
         if reached is None and config.target is not None and (
@@ -502,12 +580,42 @@ def _train(rank, world, config, device, torchrun, ticks=None):
                            elapsed + time.perf_counter() - t_start, world, global_step)
         steps_here = global_step - (start_epoch * steps_per_epoch + start_batch)
         summary.update({f"mean_{k}": v / steps_here for k, v in step_times.items()} if steps_here else {})
+        if outer is not None:
+            summary.update(_outer_fields(outer), evaluated="theta_g: DiLoCo's global parameters, equal on every "
+                                                          "rank (a replica equals them only right after a sync)")
         if hasattr(state.compressor, "choices"):  # auto: which candidate each tensor settled on
             summary["choices"] = state.compressor.choices(state.tensors)
         (directory / "summary.json").write_text(json.dumps(summary, indent=2))
     if world > 1:
         dist.barrier()
     return summary
+
+
+def _outer_fields(outer) -> dict:
+    """DiLoCo's counters for metrics and the summary (bytes per worker, cumulative)."""
+    s = outer.stats()
+    return {k: s[k] for k in ("syncs", "bytes_per_inner_step", "ddp_bytes_per_inner_step")}
+
+
+@contextlib.contextmanager
+def _global_parameters(outer, model):
+    """Under DiLoCo, hold theta_g (each fragment's parameters as of its last sync, equal on every rank)
+    instead of this rank's replica, which differs from the others' between syncs; the replica is put
+    back after.  Without an outer loop, nothing changes."""
+    if outer is None:
+        yield
+        return
+    params = dict(model.named_parameters())
+    replica = {name: params[name].detach().clone() for name in outer.theta}
+    with torch.no_grad():
+        for name, theta in outer.theta.items():
+            params[name].copy_(theta)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for name, value in replica.items():
+                params[name].copy_(value)
 
 
 def _lr(config: TrainConfig, epoch_float: float) -> float:
@@ -551,8 +659,8 @@ def _step_record(epoch, step, loss, accuracy, lr, step_s, before, after, wall, l
 def _summary(config, stats, last_epoch, reached, wall, world, steps) -> dict:
     score_key = "test_perplexity" if last_epoch and "test_perplexity" in last_epoch else "test_accuracy"
     return {
-        "name": config.name, "compressor": config.compressor, "params": config.params, "workers": world,
-        "model": config.model, "dataset": config.dataset, "seed": config.seed, "optimizer": config.optimizer,
+        "name": config.name, "compressor": config.compressor, "params": config.params, "outer": config.outer,
+        "workers": world, "model": config.model, "dataset": config.dataset, "seed": config.seed, "optimizer": config.optimizer,
         "lr": config.lr, "epochs": config.epochs,
         "final_test_accuracy": last_epoch["test_accuracy"] if last_epoch else None,
         "final_test_loss": last_epoch["test_loss"] if last_epoch else None,
