@@ -61,7 +61,7 @@ def _names(state: GradzipState, params) -> list:
     buckets follow the model's parameter order (reversed), the same on every rank and in every run of
     the same script, so a checkpointed state finds its tensors again after a restart.
     """
-    names = getattr(state, "param_names", None)
+    names = state.param_names
     if names is None:
         names = state.param_names = {}
     missing = [p for p in params if p not in names]
@@ -79,7 +79,7 @@ def ddp_comm_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures
     grads = bucket.gradients()
     named = list(zip(_names(state, bucket.parameters()), grads))
     buffer = bucket.buffer()
-    dense_group = getattr(state, "dense_group", None)
+    dense_group = state.dense_group
     if dense_group is not None and state.sends_dense(named):
         state.record_dense(named)
         # Divided before the allreduce, here, rather than in the callback on gloo's thread, which must

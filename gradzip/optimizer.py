@@ -10,6 +10,7 @@ from typing import Iterable, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -81,8 +82,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
         in_optimizer = [p for g in optimizer.param_groups for p in g["params"]]
-        sharded = [p for p in in_optimizer if type(p).__name__ == "DTensor" or hasattr(p, "_local_tensor")]
-        if sharded:
+        if any(isinstance(p, DTensor) for p in in_optimizer):
             raise ValueError("DistributedOptimizer needs plain (replicated) parameters, got DTensor shards "
                              "(FSDP2 / tensor parallel), which gradzip does not support; use it with "
                              "replicated models (no DDP) or gradzip.register() on a DDP model")

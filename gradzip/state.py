@@ -68,6 +68,11 @@ class GradzipState:
         self._closed = False
         self._starts: dict[str, float] = {}  # clock of each tensor's latest exchange start (not saved)
         self._periods: dict[str, tuple] = {}
+        self._streams: dict = {}  # the communication thread's CUDA stream per device
+        #: The DDP hook's names of parameters (``register`` gives the model's; else learned on first use)
+        #: and the group on which it may allreduce dense buckets itself (``register`` only).
+        self.param_names: Optional[dict] = None
+        self.dense_group: Optional[dist.ProcessGroup] = None
         _LIVE.add(self)
         _install_teardown()
         if transport is None and dist.is_available() and dist.is_initialized():
@@ -138,7 +143,6 @@ class GradzipState:
             grads = [torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0) for g in grads]
         gens = [feedback.exchange(self.compressor, g, ctx) for g, ctx in zip(grads, contexts)]
         results, report = run_lockstep(gens, self.transport, nonfinite)
-        outputs = None
         if not report.nonfinite:
             outputs = [r.aggregate.reshape(g.shape).to(g.dtype) for r, g in zip(results, grads)]
             # Compression can overflow where the input did not (a value above 65504 sent as fp16, a sum
@@ -251,10 +255,9 @@ class GradzipState:
         """The communication thread's own CUDA stream for ``device``, after ``ready`` (CPU: nothing)."""
         if device is None:
             return contextlib.nullcontext()
-        streams = self.__dict__.setdefault("_streams", {})
-        stream = streams.get(device)
+        stream = self._streams.get(device)
         if stream is None:
-            stream = streams[device] = torch.cuda.Stream(device)
+            stream = self._streams[device] = torch.cuda.Stream(device)
         stream.wait_event(ready)
         return torch.cuda.stream(stream)
 
@@ -284,7 +287,7 @@ class GradzipState:
 
     def _release_group(self) -> None:
         group, self._own_group = self._own_group, None
-        if group is not None and dist.is_initialized() and group in dist.distributed_c10d._world.pg_map:
+        if group is not None and _registered(group):
             dist.destroy_process_group(group)
 
     def uses_group(self, group: Optional[dist.ProcessGroup]) -> bool:
@@ -292,8 +295,7 @@ class GradzipState:
         takes away this state's collectives."""
         if group is None or group is dist.GroupMember.WORLD:
             return True
-        transport = self._transport
-        return group is self._own_group or getattr(transport, "group", None) is group
+        return getattr(self._transport, "group", None) is group  # gradzip's own group is its transport's
 
     def __enter__(self) -> "GradzipState":
         return self
@@ -348,6 +350,11 @@ class GradzipState:
         self.totals.update(state.get("totals", {}))
 
 
+def _registered(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` is still a live process group (destroying it twice is an error)."""
+    return dist.is_initialized() and group in dist.distributed_c10d._world.pg_map
+
+
 def _default_group_timeout():
     """The timeout given to ``init_process_group``: ``new_group()`` without one takes the backend's
     default (30 minutes for gloo), so a dead peer would hang gradzip's collectives that long."""
@@ -380,7 +387,7 @@ def _install_teardown() -> None:
             for state in list(_LIVE):
                 if state.uses_group(group):
                     state.close()  # destroys the group it made for itself
-            if group is not None and group not in dist.distributed_c10d._world.pg_map:
+            if group is not None and not _registered(group):
                 return None  # that was such a group
             return destroy(group)
 
@@ -414,8 +421,8 @@ def _let_gloo_threads_finish(limit_s: float = 1.0) -> None:
 
 
 def _gloo_threads_busy() -> bool:
-    """Whether a gloo worker thread of this process is running or waiting for the GIL (Linux; elsewhere
-    it answers False after the caller's first short sleep)."""
+    """Whether a gloo worker thread of this process is running (Linux; elsewhere False).  A thread
+    waiting for the GIL shows as sleeping, but it gets the GIL while the caller sleeps."""
     try:
         tasks = os.listdir("/proc/self/task")
     except OSError:
