@@ -31,8 +31,8 @@ def _digits():
     return train.tensors, test.tensors, info
 
 
-def digits_accuracy(name: str, **params) -> float:
-    """Train the digits MLP with ``name`` on WORLD simulated workers; returns the test accuracy."""
+def digits_accuracy(name: str, lr: float = LR, **params) -> float:
+    """Train the digits MLP with ``name`` at ``lr`` on WORLD simulated workers; returns the test accuracy."""
     (x, y), (x_test, y_test), info = _digits()
 
     def worker(rank, transport):
@@ -40,7 +40,7 @@ def digits_accuracy(name: str, **params) -> float:
         with _INIT:
             torch.manual_seed(0)
             model = build_model("mlp", info)
-        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
         state = GradzipState(name, transport=transport, **params)
         shard = torch.arange(rank, len(x), WORLD)
         gen = torch.Generator().manual_seed(rank)
@@ -69,3 +69,17 @@ def test_every_sign_method_trains_at_plain_sgd_learning_rate():
 def test_the_papers_unscaled_signum_does_not_train_at_that_learning_rate():
     # The unscaled update moves every coordinate by lr = 0.05 per step: far too far for this MLP.
     assert digits_accuracy("signum", scaled=False, zeros="plus") < 0.3
+
+
+# The learning-rate table of docs/methods.md: python3 -m tests.test_sign_training
+SWEEP_LRS = (3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 5e-2, 0.1, 0.3)
+SWEEP = {"dense (`none`)": ("none", {}), "`signsgd` (scaled)": ("signsgd", {}), "`signum` (scaled)": ("signum", {}),
+         "`efsignsgd`": ("efsignsgd", {}), "`onebit`": ("onebit", {}),
+         "`signsgd`, `scaled=False`": ("signsgd", {"scaled": False}),
+         "`signum`, `scaled=False`": ("signum", {"scaled": False}),
+         "`signum`, `scaled=False, zeros=\"plus\"` (paper)": ("signum", {"scaled": False, "zeros": "plus"})}
+
+if __name__ == "__main__":
+    print("| lr | " + " | ".join(f"{lr:g}" for lr in SWEEP_LRS) + " |")
+    for label, (name, params) in SWEEP.items():
+        print(f"| {label} | " + " | ".join(f"{digits_accuracy(name, lr, **params):.2f}" for lr in SWEEP_LRS) + " |")
