@@ -5,6 +5,7 @@ average how far they moved and an outer optimizer moves a shared copy of the par
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import numbers
 from typing import Optional
@@ -16,7 +17,7 @@ from torch import nn
 from .compressors import make
 from .state import GradzipState
 
-__all__ = ["DiLoCo"]
+__all__ = ["DiLoCo", "check_options", "OPTIONS"]
 
 
 def _partition(sizes: list[int], parts: int) -> list[range]:
@@ -34,6 +35,36 @@ def _partition(sizes: list[int], parts: int) -> list[range]:
 
 def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+# DiLoCo's options that do not depend on the model: (check, what the value must be).
+OPTIONS = {
+    "sync_every": (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
+    "fragments": (lambda v: _is_int(v) and v >= 1, "an int from 1 to the number of parameter tensors"),
+    "outer_lr": (lambda v: _is_number(v) and v > 0, "a number > 0"),
+    "outer_momentum": (lambda v: _is_number(v) and 0 <= v < 1, "a number with 0 <= outer_momentum < 1"),
+    "nesterov": (lambda v: isinstance(v, bool), "True or False"),
+    "overlap": (lambda v: isinstance(v, bool), "True or False"),
+    "merge_alpha": (lambda v: _is_number(v) and 0 <= v < 1, "a number with 0 <= merge_alpha < 1"),
+}
+
+
+def check_options(**options) -> None:
+    """Raise a one-line ValueError for a bad value of a :class:`DiLoCo` option in ``OPTIONS`` (or a bad
+    combination of them); the launcher calls it too, to fail before any worker starts."""
+    for key, value in options.items():
+        check, what = OPTIONS[key]
+        if not check(value):
+            raise ValueError(f"{key} must be {what}, got {value!r}")
+    if options.get("overlap") and options.get("sync_every", 2) < 2:
+        raise ValueError("overlap=True needs sync_every >= 2 (a fragment's exchange is merged one inner step "
+                         f"after it starts, before the fragment is due again), got {options['sync_every']}")
+    if options.get("merge_alpha") and not options.get("overlap"):
+        raise ValueError("merge_alpha mixes a late exchange into the replica: it needs overlap=True")
 
 
 class DiLoCo:
@@ -59,6 +90,18 @@ class DiLoCo:
     ranks get the same :math:`\bar\Delta` and do the same arithmetic in the same order, so replicas are
     bit-identical after each sync.  The inner optimizer's state stays local, as in the paper.
 
+    ``overlap=True`` is Streaming DiLoCo's overlapped exchange with delay :math:`\tau = 1`: a due fragment's
+    :math:`\Delta_r` is taken at step t and exchanged on gradzip's communication thread (and its own
+    process group) while the script computes inner step t+1; the outer step then gives the new
+    :math:`\theta_g`, and at step t+1 the replica merges it with what it learned meanwhile,
+
+    .. math::  \theta_r \leftarrow \alpha\,\theta_r + (1 - \alpha)\,\theta_g \qquad (\alpha = ``merge\_alpha``)
+
+    (:math:`\alpha = 0`: the replica takes :math:`\theta_g` and is bit-identical across ranks again; the
+    inner step made during the exchange is dropped for that fragment).  It needs ``sync_every >= 2``, so a
+    fragment's merge comes before it is due again.  :meth:`wait` merges an exchange still in flight (call it
+    before using the model after the last step).
+
     ``fragments=F`` splits the parameters (in the model's order, balanced by element count) into F
     contiguous fragments; fragment f syncs at the inner steps t with
     :math:`(t - \lfloor fH/F \rfloor) \bmod H = 0`, H = ``sync_every``, with its own slice of :math:`b`.
@@ -73,26 +116,18 @@ class DiLoCo:
     def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer, *, sync_every: int,
                  compressor="none", outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True,
                  group: Optional[dist.ProcessGroup] = None, fragments: int = 1, overlap: bool = False,
-                 seed: int = 0, **compressor_params):
+                 merge_alpha: float = 0.0, seed: int = 0, **compressor_params):
         if isinstance(model, nn.parallel.DistributedDataParallel):
             raise ValueError("DiLoCo takes the replica, not its DDP wrapper: pass ddp_model.module and "
                              "group= the ranks that hold the same replica slot on the other nodes")
-        if not _is_int(sync_every) or sync_every < 1:
-            raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
-        if not isinstance(outer_lr, numbers.Real) or not outer_lr > 0:
-            raise ValueError(f"outer_lr must be a number > 0, got {outer_lr!r}")
-        if not isinstance(outer_momentum, numbers.Real) or not 0 <= outer_momentum < 1:
-            raise ValueError(f"outer_momentum must be a number with 0 <= outer_momentum < 1, "
-                             f"got {outer_momentum!r}")
-        if overlap:
-            raise ValueError("overlap=True (Streaming DiLoCo's exchange overlapped with inner steps) is not "
-                             "implemented yet; use overlap=False")
+        check_options(sync_every=sync_every, fragments=fragments, outer_lr=outer_lr, outer_momentum=outer_momentum,
+                      nesterov=nesterov, overlap=overlap, merge_alpha=merge_alpha)
         named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         stepped = {id(p) for g in inner_optimizer.param_groups for p in g["params"]}
         if not any(id(p) in stepped for _, p in named):
             raise ValueError("inner_optimizer steps none of the model's trainable parameters; "
                              "build it from this model's parameters")
-        if not _is_int(fragments) or not 1 <= fragments <= len(named):
+        if fragments > len(named):
             raise ValueError(f"fragments must be an int from 1 to the number of parameter tensors "
                              f"({len(named)}), got {fragments!r}")
         method = make(compressor, **compressor_params)
@@ -101,12 +136,15 @@ class DiLoCo:
 
         self.sync_every, self.outer_lr = int(sync_every), float(outer_lr)
         self.outer_momentum, self.nesterov = float(outer_momentum), bool(nesterov)
-        if group is None and dist.is_available() and dist.is_initialized():
+        self.overlap, self.merge_alpha = bool(overlap), float(merge_alpha)
+        if group is None and not overlap and dist.is_available() and dist.is_initialized():
             # Every collective runs on the caller's thread, in program order, so the default group is safe
-            # to share; it also carries the timeout the script gave init_process_group.
+            # to share; it also carries the timeout the script gave init_process_group.  Overlapped
+            # exchanges run on gradzip's thread: GradzipState then makes a group of its own.
             group = dist.group.WORLD
         self.group = group
         self.state = GradzipState(method, group=group, seed=seed)
+        self._pending: Optional[tuple] = None  # overlap: (fragments, their step, the exchange's future)
         if self.state.world_size > 1:
             with torch.no_grad():
                 for t in itertools.chain(model.parameters(), model.buffers()):
@@ -121,38 +159,99 @@ class DiLoCo:
 
     @torch.no_grad()
     def step(self) -> tuple:
-        """Count one inner step; sync the fragments that are due.  Returns their indices (empty: none)."""
+        """Count one inner step; sync the fragments that are due (with ``overlap``: start their exchange, and
+        merge the one started at the previous step).  Returns the due fragments' indices (empty: none)."""
         self.inner_steps += 1
+        self._merge()
         t, h = self.inner_steps, self.sync_every
         due = tuple(f for f, offset in enumerate(self.offsets) if (t - offset) % h == 0)
         if due:
-            self._sync([pair for f in due for pair in self.fragments[f]])
+            named = [pair for f in due for pair in self.fragments[f]]
+            deltas = [(name, self.theta[name] - p.float()) for name, p in named]
+            if self.overlap:
+                names = [name for name, _ in named]
+                self._pending = (due, t, self.state.submit(deltas, functools.partial(self._outer_step, names)))
+            else:
+                self._load(named, self._exchange(deltas, t))
             self.syncs += 1
             for f in due:
                 self.fragment_syncs[f] += 1
         return due
 
-    def _sync(self, named: list) -> None:
-        deltas = [(name, self.theta[name] - p.float()) for name, p in named]
+    def _exchange(self, deltas: list, step: int) -> bool:
+        """Exchange the pseudo-gradients and take the outer step; returns whether it was skipped."""
         try:
-            means = self.state.exchange(deltas)
+            return self._outer_step([name for name, _ in deltas], self.state.exchange(deltas))
         except RuntimeError as exc:
-            cause = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise RuntimeError(f"DiLoCo: the sync at inner step {self.inner_steps} failed (a peer stopped, or did "
-                               f"not reach it within the process group's timeout): {cause}") from exc
+            raise self._failed(exc, step) from exc
+
+    @staticmethod
+    def _failed(exc: BaseException, step: int) -> RuntimeError:
+        cause = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return RuntimeError(f"DiLoCo: the sync at inner step {step} failed (a peer stopped, or did not reach it "
+                            f"within the process group's timeout): {cause}")
+
+    def _outer_step(self, names: list, means: list) -> bool:
+        """theta_g -= outer_lr * (Nesterov) momentum step on the mean pseudo-gradients; runs on gradzip's
+        thread under ``overlap``.  Returns True when the exchange was not finite and nothing moved."""
         if self.state.last_report.nonfinite:
             # Some replica's pseudo-gradient was NaN/Inf (or overflowed on the wire): theta_g and b stay,
             # and every replica of these tensors restarts from theta_g, so they stay identical.
-            self.nonfinite_syncs += 1
-        else:
-            for (name, _), mean in zip(named, means):
-                update = mean
-                if self.outer_momentum:
-                    buf = self.momentum[name].mul_(self.outer_momentum).add_(mean)
-                    update = mean.add(buf, alpha=self.outer_momentum) if self.nesterov else buf
-                self.theta[name].add_(update, alpha=-self.outer_lr)
+            return True
+        for name, mean in zip(names, means):
+            update = mean
+            if self.outer_momentum:
+                buf = self.momentum[name].mul_(self.outer_momentum).add_(mean)
+                update = mean.add(buf, alpha=self.outer_momentum) if self.nesterov else buf
+            self.theta[name].add_(update, alpha=-self.outer_lr)
+        return False
+
+    def _load(self, named: list, skipped: bool, alpha: float = 0.0) -> None:
+        """Every replica takes theta_g for these tensors (mixed with its own by ``alpha``; not after a
+        skipped exchange)."""
+        self.nonfinite_syncs += int(skipped)
         for name, p in named:
-            p.copy_(self.theta[name])
+            if alpha and not skipped:
+                p.mul_(alpha).add_(self.theta[name].to(p.dtype), alpha=1 - alpha)
+            else:
+                p.copy_(self.theta[name])
+
+    def _settle(self) -> Optional[bool]:
+        """Wait for the exchange in flight (theta_g is then current); None when there is none."""
+        if self._pending is None:
+            return None
+        _, step, fut = self._pending
+        try:
+            return fut.wait()
+        except RuntimeError as exc:
+            self._pending = None
+            raise self._failed(exc, step) from exc
+
+    def _merge(self) -> None:
+        skipped = self._settle()
+        if skipped is not None:
+            due, _, _ = self._pending
+            self._pending = None
+            self._load([pair for f in due for pair in self.fragments[f]], skipped, self.merge_alpha)
+
+    @torch.no_grad()
+    def wait(self) -> None:
+        """``overlap``: finish the exchange in flight and merge it into the replica now (after the last
+        step, before evaluating or saving the model).  Without one: nothing."""
+        self._merge()
+
+    def global_parameters(self) -> dict:
+        """theta_g by parameter name (fp32, equal on every rank; each fragment as of its last sync), after
+        any exchange in flight has updated it.  The live tensors: copy them to keep them."""
+        self._settle()
+        return self.theta
+
+    def close(self) -> None:
+        """Finish any exchange in flight and stop gradzip's thread and process group (also done at exit)."""
+        try:
+            self._settle()
+        finally:
+            self.state.close()
 
     def stats(self) -> dict:
         """gradzip's counters for the outer exchanges (``bytes_sent`` per worker, ``ratio``, …) plus
@@ -166,8 +265,14 @@ class DiLoCo:
 
     def state_dict(self) -> dict:
         """theta_g, the outer momentum, gradzip's state (error feedback) and the counters; loads with
-        ``torch.load(..., weights_only=True)``.  The replica and the inner optimizer are saved by the script."""
-        return {"sync_every": self.sync_every, "fragments": len(self.fragments), "inner_steps": self.inner_steps,
+        ``torch.load(..., weights_only=True)``.  The replica and the inner optimizer are saved by the script.
+        An overlapped exchange in flight is finished first and saved as pending: it merges into the replica
+        at the next :meth:`step`, in the resumed run as in this one."""
+        skipped = self._settle()
+        pending = [] if self._pending is None else list(self._pending[0])
+        return {"pending": pending, "pending_step": self._pending[1] if pending else 0,
+                "pending_skipped": bool(skipped),
+                "sync_every": self.sync_every, "fragments": len(self.fragments), "inner_steps": self.inner_steps,
                 "syncs": self.syncs, "nonfinite_syncs": self.nonfinite_syncs,
                 "fragment_syncs": list(self.fragment_syncs),
                 "theta": {k: v.clone() for k, v in self.theta.items()},
@@ -182,6 +287,8 @@ class DiLoCo:
         if mine != saved:
             raise ValueError("this DiLoCo state_dict was saved with another sync_every, fragments, "
                              "parameter set or outer momentum")
+        if state.get("pending") and not self.overlap:
+            raise ValueError("this DiLoCo state_dict holds an overlapped exchange to merge: load it with overlap=True")
         for name in self.theta:
             self.theta[name].copy_(state["theta"][name])
         for name in self.momentum:
@@ -190,3 +297,8 @@ class DiLoCo:
         self.inner_steps, self.syncs = int(state["inner_steps"]), int(state["syncs"])
         self.nonfinite_syncs = int(state["nonfinite_syncs"])
         self.fragment_syncs = [int(n) for n in state["fragment_syncs"]]
+        self._pending = None
+        if state.get("pending"):
+            done: torch.futures.Future = torch.futures.Future()
+            done.set_result(bool(state["pending_skipped"]))
+            self._pending = (tuple(int(f) for f in state["pending"]), int(state["pending_step"]), done)

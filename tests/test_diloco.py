@@ -133,30 +133,70 @@ def scenario_buffers(rank, world, tmp):
     return {name: b.clone() for name, b in model.named_buffers()}
 
 
+def scenario_overlap(rank, world, tmp):
+    """overlap=True, sync_every=4, two fragments (due at 4, 8 and 2, 6, 10): each exchange is merged one
+    step late.  Records the replica and theta_g after every step, for merge_alpha 0 and 0.5."""
+    out = {}
+    for alpha in (0.0, 0.5):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))  # fragments: 0.weight | the rest
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        outer = gradzip.DiLoCo(model, opt, sync_every=4, fragments=2, compressor="topk", ratio=0.25,
+                               overlap=True, merge_alpha=alpha)
+        steps = []
+        for step in range(10):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + rank))
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+            local = [p.detach().clone() for p in model.parameters()]
+            due = outer.step()
+            theta = {k: v.clone() for k, v in outer.global_parameters().items()}
+            steps.append({"due": due, "local": local, "after": [p.detach().clone() for p in model.parameters()],
+                          "theta": theta})
+        outer.wait()
+        out[alpha] = {"steps": steps, "final": [p.detach().clone() for p in model.parameters()],
+                      "theta": {k: v.clone() for k, v in outer.theta.items()},
+                      "own_group": outer.state.transport.group is not dist.group.WORLD}
+        outer.close()
+    return out
+
+
 RESUME = dict(sync_every=3, fragments=2, compressor="topk", ratio=0.1, outer_momentum=0.9)
 BEFORE, AFTER = 5, 6  # checkpoint mid-period: fragment 0 syncs at 3, 6, 9; fragment 1 at 1, 4, 7, 10
+# With overlap, save at step 4, while fragment 1's exchange started at step 4 is in flight.
+RESUMES = {"plain": (RESUME, BEFORE), "overlap": ({**RESUME, "overlap": True, "merge_alpha": 0.5}, 4)}
 
 
-def _resume_setup(seed):
+def _resume_setup(seed, kind):
     model = _model(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    return model, opt, gradzip.DiLoCo(model, opt, **RESUME)
+    return model, opt, gradzip.DiLoCo(model, opt, **RESUMES[kind][0])
 
 
 def scenario_checkpoint(rank, world, tmp):
-    model, opt, outer = _resume_setup(seed=rank)
-    for step in range(BEFORE):
+    out = {}
+    for kind, (_, before) in RESUMES.items():
+        model, opt, outer = _resume_setup(seed=rank, kind=kind)
+        for step in range(before):
+            _inner_step(model, opt, rank, step)
+            outer.step()
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "outer": outer.state_dict()},
+                   os.path.join(tmp, f"ckpt-{kind}-{rank}.pt"))
+        out[kind] = _finish(model, opt, outer, rank, before)
+    return out
+
+
+def _finish(model, opt, outer, rank, before):
+    """The steps after the checkpoint, then merge what is in flight."""
+    for step in range(before, BEFORE + AFTER):
         _inner_step(model, opt, rank, step)
         outer.step()
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "outer": outer.state_dict()},
-               os.path.join(tmp, f"ckpt{rank}.pt"))
-    for step in range(BEFORE, BEFORE + AFTER):
-        _inner_step(model, opt, rank, step)
-        outer.step()
+    outer.wait()
     return {"params": _flat(model), "stats": outer.stats()["fragment_syncs"]}
 
 
-SCENARIOS = ["methods", "averaging", "fragments", "ddp_refused", "buffers", "checkpoint"]
+SCENARIOS = ["methods", "averaging", "fragments", "overlap", "ddp_refused", "buffers", "checkpoint"]
 
 
 def _scenarios(rank, world, tmp):
@@ -166,25 +206,26 @@ def _scenarios(rank, world, tmp):
 def _resumed(rank, world, tmp):
     """A fresh process: build everything, then load this rank's checkpoint (after the constructor's
     broadcast, which would otherwise overwrite this replica with rank 0's), and go on."""
-    model, opt, outer = _resume_setup(seed=7)
-    saved = torch.load(os.path.join(tmp, f"ckpt{rank}.pt"), weights_only=True)
-    model.load_state_dict(saved["model"])
-    opt.load_state_dict(saved["opt"])
-    outer.load_state_dict(saved["outer"])
-    for step in range(BEFORE, BEFORE + AFTER):
-        _inner_step(model, opt, rank, step)
-        outer.step()
-    return {"params": _flat(model), "stats": outer.stats()["fragment_syncs"]}
+    out = {}
+    for kind, (_, before) in RESUMES.items():
+        model, opt, outer = _resume_setup(seed=7, kind=kind)
+        saved = torch.load(os.path.join(tmp, f"ckpt-{kind}-{rank}.pt"), weights_only=True)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        outer.load_state_dict(saved["outer"])
+        out[kind] = _finish(model, opt, outer, rank, before)
+    return out
 
 
-def _lost_peer(rank, world, how):
-    """Rank 1 exits (or hangs) just before the second sync; rank 0 must fail fast with a clear error."""
+def _lost_peer(rank, world, how, overlap):
+    """Rank 1 exits (or hangs) just before the second sync; rank 0 must fail fast with a clear error (with
+    overlap: when it waits for that sync's exchange, at the next step)."""
     dist.destroy_process_group()
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=5))
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    outer = gradzip.DiLoCo(model, opt, sync_every=2, compressor="topk", ratio=0.1)
-    for step in range(4):
+    outer = gradzip.DiLoCo(model, opt, sync_every=2, compressor="topk", ratio=0.1, overlap=overlap)
+    for step in range(5):
         _inner_step(model, opt, rank, step)
         if rank == 1 and step == 3:
             if how == "exits":
@@ -279,18 +320,56 @@ def test_buffers_are_broadcast_from_rank_0_at_construction(ranks):
     assert torch.equal(b1["1.running_mean"], torch.ones(4))
 
 
-def test_resume_from_a_checkpoint_continues_bit_for_bit(ranks, ckpt_dir):
+@pytest.fixture(scope="module")
+def resumed(ranks, ckpt_dir):
+    _result(ranks, "checkpoint")  # the checkpoints exist
+    return run_workers(_resumed, 2, ckpt_dir, timeout=120)
+
+
+@pytest.mark.parametrize("kind", RESUMES)
+def test_resume_from_a_checkpoint_continues_bit_for_bit(ranks, resumed, kind):
     straight = _result(ranks, "checkpoint")
-    resumed = run_workers(_resumed, 2, ckpt_dir, timeout=120)
     for a, b in zip(straight, resumed):
-        assert torch.equal(a["params"], b["params"])
-        assert a["stats"] == b["stats"] == [3, 4]
+        assert torch.equal(a[kind]["params"], b[kind]["params"])
+        assert a[kind]["stats"] == b[kind]["stats"] == [3, 4]
+
+
+def _check_overlap(r0, r1, alpha):
+    names = ["0.weight", "0.bias", "2.weight", "2.bias"]
+    fragment_of = {0: 0, 1: 1, 2: 1, 3: 1}
+    due = [s["due"] for s in r0["steps"]]
+    assert due == [(1,) if t in (2, 6, 10) else (0,) if t in (4, 8) else () for t in range(1, 11)]
+    for t in range(10):
+        a, b = r0["steps"][t], r1["steps"][t]
+        assert all(torch.equal(a["theta"][k], b["theta"][k]) for k in names)  # theta_g: equal on every rank
+        merged = r0["steps"][t - 1]["due"] if t else ()
+        for i, name in enumerate(names):
+            if fragment_of[i] in merged:
+                # merged one step late: alpha * (this step's local value) + (1 - alpha) * the new theta_g
+                assert torch.equal(a["after"][i], a["local"][i].mul(alpha).add(a["theta"][name], alpha=1 - alpha))
+                assert torch.equal(a["after"][i], b["after"][i]) == (alpha == 0), (t + 1, name)
+            else:
+                assert torch.equal(a["after"][i], a["local"][i]), (t + 1, name)  # not merged: untouched
+                assert not torch.equal(a["after"][i], b["after"][i])  # and still each rank's own
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.5])
+def test_overlap_merges_each_exchange_one_step_late(ranks, alpha):
+    r0, r1 = (r[alpha] for r in _result(ranks, "overlap"))
+    assert r0["own_group"] and r1["own_group"]  # exchanges on gradzip's thread use a group of their own
+    _check_overlap(r0, r1, alpha)
+    # after wait() the last exchange (step 10, fragment 1) is merged too
+    for i in (1, 2, 3):
+        assert torch.equal(r0["final"][i], r1["final"][i]) == (alpha == 0)
+    names = ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert all(torch.equal(r0["theta"][k], r1["theta"][k]) for k in names)
 
 
 @pytest.mark.parametrize("how", ["exits", "hangs"])
-def test_a_lost_peer_stops_the_others_with_a_clear_error(how):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_lost_peer_stops_the_others_with_a_clear_error(how, overlap):
     with pytest.raises(RuntimeError) as err:
-        run_workers(_lost_peer, 2, how, timeout=60)
+        run_workers(_lost_peer, 2, how, overlap, timeout=60)
     text = str(err.value)
     found = re.search(r"rank 0 stopped after ([\d.]+) s: DiLoCo: the sync at inner step 4 failed", text)
     assert found, text[-2000:]
@@ -319,6 +398,31 @@ def test_outer_step_is_torch_sgd_with_nesterov_on_the_pseudo_gradient():
             for ref, p, theta in zip(reference, model.parameters(), outer.theta.values()):
                 assert torch.equal(p, ref) and torch.equal(theta, ref)
     assert outer.stats()["syncs"] == 3
+
+
+def test_overlap_outer_step_uses_the_pseudo_gradient_taken_when_due():
+    """One process, dense: theta_g after each merge is the Nesterov step on theta_g - local(t) of the due
+    step t, and the replica takes it at t + 1 (the inner step made meanwhile is dropped, merge_alpha=0)."""
+    model, opt, outer = _single(sync_every=3, overlap=True, outer_lr=0.5, outer_momentum=0.8)
+    theta = [p.detach().clone() for p in model.parameters()]
+    buf = [torch.zeros_like(t) for t in theta]
+    pending = None
+    for step in range(8):
+        _inner_step(model, opt, 0, step)
+        local = [p.detach().clone() for p in model.parameters()]
+        due = outer.step()
+        if pending is not None:
+            for i, delta in enumerate(pending):
+                buf[i] = buf[i] * 0.8 + delta
+                theta[i] = theta[i] - 0.5 * (delta + 0.8 * buf[i])
+            for got, want in zip(model.parameters(), theta):
+                torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+        else:
+            assert all(torch.equal(got, want) for got, want in zip(model.parameters(), local))
+        pending = [t - l for t, l in zip(theta, local)] if due else None
+        assert bool(due) == ((step + 1) % 3 == 0)
+    assert outer.stats()["syncs"] == 2
+    outer.close()
 
 
 def test_a_nonfinite_replica_restarts_from_the_last_global_parameters():
@@ -368,7 +472,7 @@ def test_state_dict_loads_with_weights_only(tmp_path):
     ({"sync_every": 2.0}, "sync_every must be an int >= 1, got 2.0"),
     ({"sync_every": True}, "sync_every must be an int >= 1, got True"),
     ({"sync_every": None}, "sync_every must be an int >= 1, got None"),
-    ({"fragments": 0}, r"fragments must be an int from 1 to the number of parameter tensors \(6\), got 0"),
+    ({"fragments": 0}, r"fragments must be an int from 1 to the number of parameter tensors, got 0"),
     ({"fragments": 7}, r"fragments must be an int from 1 to the number of parameter tensors \(6\), got 7"),
     ({"fragments": 1.5}, r"fragments must be an int from 1 .*got 1.5"),
     ({"compressor": "nope"}, "unknown compressor 'nope'"),
@@ -377,7 +481,10 @@ def test_state_dict_loads_with_weights_only(tmp_path):
     ({"compressor": "signum"}, "signum applies momentum .* use outer_momentum=0"),
     ({"outer_lr": 0}, "outer_lr must be a number > 0, got 0"),
     ({"outer_momentum": 1.0}, "outer_momentum must be a number with 0 <= outer_momentum < 1, got 1.0"),
-    ({"overlap": True}, r"overlap=True .* is not implemented yet; use overlap=False"),
+    ({"overlap": True, "sync_every": 1}, r"overlap=True needs sync_every >= 2 .*, got 1"),
+    ({"overlap": 1}, "overlap must be True or False, got 1"),
+    ({"merge_alpha": 0.5}, "merge_alpha mixes a late exchange into the replica: it needs overlap=True"),
+    ({"overlap": True, "merge_alpha": -0.1}, "merge_alpha must be a number with 0 <= merge_alpha < 1, got -0.1"),
 ])
 def test_bad_input_raises_one_line_value_errors(kwargs, message):
     with pytest.raises(ValueError, match=message) as err:

@@ -13,7 +13,7 @@ from gradzip.cli import app
 from gradzip.harness.trainer import TrainConfig, _optimizer, parse_outer
 
 DIGITS = ["train", "--dataset", "digits", "--model", "mlp", "--no-progress"]
-KEYS = "valid keys: sync_every, fragments, outer_lr, outer_momentum, nesterov"
+KEYS = "valid keys: sync_every, fragments, outer_lr, outer_momentum, nesterov, overlap, merge_alpha"
 
 
 def test_parse_outer_types_the_options_of_diloco():
@@ -27,11 +27,14 @@ def test_parse_outer_types_the_options_of_diloco():
     ("localsgd:sync_every=5", "DiLoCo is the only outer loop"),
     ("diloco:sync_every=5,H=3", f"bad outer option 'H=3' in 'diloco:sync_every=5,H=3'; {KEYS} "),
     ("diloco:sync_every", f"bad outer option 'sync_every' .*; {KEYS} "),
-    ("diloco:sync_every=0", "outer option sync_every must be an integer >= 1, got '0'"),
-    ("diloco:sync_every=2.5", "outer option sync_every must be an integer >= 1"),
-    ("diloco:sync_every=5,outer_momentum=1", r"outer_momentum must be a number in \[0, 1\)"),
+    ("diloco:sync_every=0", "outer 'diloco:sync_every=0': sync_every must be an int >= 1, got 0$"),
+    ("diloco:sync_every=2.5", "sync_every must be an int >= 1, got 2.5"),
+    ("diloco:sync_every=5,outer_momentum=1", "outer_momentum must be a number with 0 <= outer_momentum < 1, got 1"),
     ("diloco:sync_every=5,outer_lr=-1", "outer_lr must be a number > 0"),
-    ("diloco:sync_every=5,nesterov=1", "nesterov must be true or false"),
+    ("diloco:sync_every=5,nesterov=1", "nesterov must be True or False, got 1"),
+    ("diloco:sync_every=1,overlap=true", "overlap=True needs sync_every >= 2"),
+    ("diloco:sync_every=4,merge_alpha=0.5", "merge_alpha .* needs overlap=True"),
+    ("diloco:sync_every=4,overlap=true,merge_alpha=1", "merge_alpha must be a number with 0 <= merge_alpha < 1"),
 ])
 def test_bad_outer_specs_are_one_line_errors(spec, message):
     with pytest.raises(ValueError, match=message) as error:

@@ -207,6 +207,22 @@ def test_outer_loop_trains_replicas_with_diloco_and_resumes_exactly_mid_period(t
     _resume_after_epoch_1_gives_the_same_run(args, run, tmp_path / "cut")
 
 
+def test_overlapped_outer_loop_resumes_exactly_with_an_exchange_in_flight(tmp_path):
+    """overlap=true: the epoch-1 checkpoint (step 4) is taken while fragment 1's exchange, started at step 4,
+    is in flight; it is saved as pending and merged at step 5 in the resumed run as in the whole one."""
+    args = ["train", "--model", "gpt", "--dataset", "chars", "-n", "2", "--outer",
+            "diloco:sync_every=3,fragments=2,overlap=true,merge_alpha=0.5", "-c", "topk", "-p", "ratio=0.1",
+            "--optimizer", "adamw", "--lr", "0.003", "--seq-len", "32", "--batch-size", "8", "--max-steps", "4",
+            "--test-size", "16", "--epochs", "2", "--no-progress", "--name", "overlap"]
+    result = CliRunner().invoke(app, [*args, "--out-dir", str(tmp_path / "whole")])
+    assert result.exit_code == 0, result.output
+    run = tmp_path / "whole" / "overlap"
+    saved = torch.load(run / "checkpoint-rank0-step4.pt", weights_only=True)["outer"]
+    assert saved["pending"] == [1] and saved["pending_step"] == 4
+    steps = _steps(run)
+    assert steps[-1]["loss"] < steps[0]["loss"] - 0.3 and steps[-1]["syncs"] == 5
+    _resume_after_epoch_1_gives_the_same_run(args, run, tmp_path / "cut", steps=4)
+
 
 def test_sigkilled_worker_restarts_under_torchrun_and_the_run_finishes_exactly(tmp_path):
     args = [*DIGITS, "-c", "topk", "-p", "ratio=0.1", "--epochs", "3", "--checkpoint-steps", "10",

@@ -16,7 +16,6 @@ import dataclasses
 import inspect
 import json
 import math
-import numbers
 import os
 import re
 import signal
@@ -34,6 +33,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 import gradzip
 from gradzip.collectives import free_port, wait_for_workers
 from gradzip.compressors import parse_value
+from gradzip.diloco import OPTIONS as OUTER_OPTIONS, check_options
 
 from .data import load_dataset
 from .models import build_model
@@ -42,24 +42,6 @@ __all__ = ["TrainConfig", "launch", "run_dir", "parse_outer", "BASELINES", "OUTE
 
 BASELINES = ("allreduce", "torch-fp16", "torch-powersgd", "nocomm")
 OPTIMIZERS = ("sgd", "adamw")
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-# The gradzip.DiLoCo options an ``outer`` spec may set: (check, what the value must be).
-OUTER_OPTIONS = {
-    "sync_every": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
-    "fragments": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
-    "outer_lr": (lambda v: _is_number(v) and v > 0, "a number > 0"),
-    "outer_momentum": (lambda v: _is_number(v) and 0 <= v < 1, "a number in [0, 1)"),
-    "nesterov": (lambda v: isinstance(v, bool), "true or false"),
-}
 
 
 def parse_outer(spec: str) -> dict:
@@ -75,13 +57,14 @@ def parse_outer(spec: str) -> dict:
         if not eq or key not in OUTER_OPTIONS:
             raise ValueError(f"bad outer option {item!r} in {spec!r}; valid keys: {', '.join(OUTER_OPTIONS)} "
                              f"(KEY=VALUE)")
-        check, what = OUTER_OPTIONS[key]
         options[key] = parse_value(raw)
-        if not check(options[key]):
-            raise ValueError(f"outer option {key} must be {what}, got {raw!r} in {spec!r}")
     if "sync_every" not in options:
         raise ValueError(f"outer {spec!r} needs sync_every=H (inner steps between syncs); valid keys: "
                          f"{', '.join(OUTER_OPTIONS)}")
+    try:
+        check_options(**options)
+    except ValueError as exc:
+        raise ValueError(f"outer {spec!r}: {exc}") from None
     return options
 
 
@@ -547,6 +530,8 @@ def _train(rank, world, config, device, torchrun, ticks=None):
             tick()
             if config.checkpoint_steps and global_step % config.checkpoint_steps == 0:
                 checkpoint(epoch, batch + 1)
+        if outer is not None:
+            outer.global_parameters()  # wait for an overlapped exchange in flight: training time, not eval's
         train_s = time.perf_counter() - epoch_t
         if world > 1:
             dist.all_reduce(sums)
@@ -605,10 +590,10 @@ def _global_parameters(outer, model):
     if outer is None:
         yield
         return
-    params = dict(model.named_parameters())
-    replica = {name: params[name].detach().clone() for name in outer.theta}
+    params, theta_g = dict(model.named_parameters()), outer.global_parameters()
+    replica = {name: params[name].detach().clone() for name in theta_g}
     with torch.no_grad():
-        for name, theta in outer.theta.items():
+        for name, theta in theta_g.items():
             params[name].copy_(theta)
     try:
         yield
