@@ -42,7 +42,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         return worker(args.method)
-    from gradzip.collectives import free_port  # the launcher only: a plain worker never imports gradzip
+    from gradzip.launcher import free_port  # the launcher only: a plain worker never imports gradzip
 
     failed = aborted = 0
     for _ in range(args.repeat):

@@ -9,9 +9,9 @@ Prints each variant's mean and best block step time and its ratio to DDP's own a
 
     python benchmarks/hook_overhead.py --breakdown
 
-instead times each part of gradzip's dense path (the steps of ``gradzip.hook._comm_hook`` when a
-bucket is sent densely), per bucket, in one process (world size 1), for ``none`` and for auto after it
-chose dense.
+instead times each part of gradzip's dense path (the steps of ``gradzip.integrations.ddp.ddp_comm_hook``
+when a bucket is sent densely), per bucket, in one process (world size 1), for ``none`` and for auto
+after it chose dense.
 """
 from __future__ import annotations
 
@@ -92,9 +92,10 @@ def _worker(rank, world, port, steps, blocks, out):
 def _breakdown(steps: int = 100) -> None:
     """Median microseconds per bucket of each part of the hook's dense path, in one process."""
     import gradzip
-    from gradzip.collectives import free_port
     from gradzip.harness.data import load_dataset
     from gradzip.harness.models import build_model
+    from gradzip.integrations import ddp
+    from gradzip.launcher import free_port
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     torch.set_num_threads(1)
@@ -110,7 +111,7 @@ def _breakdown(steps: int = 100) -> None:
             parts.setdefault(label, []).append(time.perf_counter() - start)
             return value
 
-        def dense_path(state, bucket):  # gradzip.hook._comm_hook's dense path, one part at a time
+        def dense_path(state, bucket):  # ddp_comm_hook's dense path, one part at a time
             grads = timed("bucket.gradients()", bucket.gradients)
             named = timed("names", lambda: [(state.param_names[p], g) for p, g in zip(bucket.parameters(), grads)])
             buffer = bucket.buffer()
@@ -122,15 +123,15 @@ def _breakdown(steps: int = 100) -> None:
             return timed("future.then()", lambda: fut.then(lambda f: f.value()[0]))
 
         step = 0
-        original = gradzip.hook._comm_hook
+        original = ddp.ddp_comm_hook
         # Timed from step 60: auto has chosen by then, and DDP has rebuilt its buckets.
-        gradzip.hook._comm_hook = lambda state, bucket: (dense_path if step >= 60 else original)(state, bucket)
+        ddp.ddp_comm_hook = lambda state, bucket: (dense_path if step >= 60 else original)(state, bucket)
         try:
             torch.manual_seed(0)
             net = nn.parallel.DistributedDataParallel(build_model("cnn", info))
             gradzip.register(net, method)
         finally:
-            gradzip.hook._comm_hook = original
+            ddp.ddp_comm_hook = original
         opt = torch.optim.SGD(net.parameters(), lr=0.01)
         for step in range(steps):
             opt.zero_grad()
@@ -151,7 +152,7 @@ def main():
     args = parser.parse_args()
     if args.breakdown:
         return _breakdown()
-    from gradzip.collectives import free_port
+    from gradzip.launcher import free_port
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()

@@ -4,12 +4,10 @@
     opt = gradzip.DistributedOptimizer(opt, model.named_parameters(), "topk", ratio=0.01)
     ddp_model.register_comm_hook(gradzip.GradzipState("topk", ratio=0.01), gradzip.ddp_comm_hook)
 """
-from . import integrations
 from .compressors import compressors, make, parameters_of
-from .hook import ddp_comm_hook, register
-from .optimizer import DistributedOptimizer
 from .state import GradzipState
-from .diloco import DiLoCo
+from . import integrations
+from .integrations import DiLoCo, DistributedOptimizer, ddp_comm_hook, register
 
 __version__ = "0.1.0"
 __all__ = ["compressors", "make", "parameters_of", "register", "ddp_comm_hook", "DistributedOptimizer", "GradzipState",

@@ -1,6 +1,6 @@
 """``gradzip advise``: which method trains this model fastest on this link, and at what accuracy risk.
 
-It measures what the cost model (gradzip/model.py) needs — the model's compute time per step, the
+It measures what the cost model (gradzip/costmodel.py) needs — the model's compute time per step, the
 link's alpha and beta (or takes a given bandwidth), each method's collectives and codec time — and ranks
 the methods by projected step time at N workers, with the speedup over dense and a static accuracy-risk
 rating from the literature (:func:`accuracy_risk`).
@@ -14,9 +14,9 @@ from typing import Callable, Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from . import model as cost
-from .model import Link
+from . import costmodel as cost
 from .compressors import make, parse_spec
+from .costmodel import Link
 
 __all__ = ["advise", "accuracy_risk", "format_advice", "DEFAULT_METHODS"]
 
@@ -30,7 +30,7 @@ _SPARSE = ("medium", "biased sparsifier with error feedback: converges (Stich et
 _LEVELS = ("low", "medium", "high", "unknown")
 _DILOCO = ("DiLoCo on 8 workers performed as well as fully synchronous training, communicating 500x less "
            "(Douillard et al. 2023, C4 language models)")
-# method -> (risk with error feedback, why, risk without, why).  Sources: /work/shared/ALGORITHMS.md, the papers.
+# method -> (risk with error feedback, why, risk without, why).  Sources: the papers cited in each reason.
 _RULES = {
     "none": ("low", "exact average") * 2,
     "fp16": ("low", "16-bit rounding of the average (as PyTorch's fp16 hook)") * 2,
@@ -108,7 +108,7 @@ def advise(model: str = "cnn", dataset: str = "fashion-mnist", *, netem: Optiona
            echo: Optional[Callable[[str], object]] = print) -> list[dict]:
     """Rank ``methods`` for training ``model`` on ``dataset`` with ``workers`` workers; returns the rows.
 
-    The link: ``bandwidth`` (e.g. "1gbit"; alpha = ``alpha`` seconds or :data:`gradzip.model.DEFAULT_ALPHA`)
+    The link: ``bandwidth`` (e.g. "1gbit"; alpha = ``alpha`` seconds or :data:`gradzip.costmodel.DEFAULT_ALPHA`)
     needs nothing; under torchrun alpha and beta are fitted to allreduces between the job's ranks, i.e.
     the real cluster's links (every rank must call this; rank 0 prints); otherwise between 2 local
     processes, over an emulated ``netem`` link (e.g. "rate=100mbit", root) or over loopback.  ``workers``
@@ -118,7 +118,7 @@ def advise(model: str = "cnn", dataset: str = "fashion-mnist", *, netem: Optiona
     number is a fixed fraction of communication hidden (0: none).  Each row: label, method, params,
     step_s and its parts, speedup (vs the ``none`` method: dense DDP averaging), wire_bytes (per step),
     sync_every, risk, why.  ``outer``: DiLoCo specs (``"diloco:sync_every=50"``, as ``gradzip train --outer``);
-    each adds a row per method, its exchange every sync_every steps (:func:`gradzip.model.outer_step_time`).
+    each adds a row per method, its exchange every sync_every steps (:func:`gradzip.costmodel.outer_step_time`).
     ``echo`` prints the table (None: quiet).
     """
     from .harness.trainer import parse_outer

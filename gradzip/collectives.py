@@ -13,12 +13,10 @@ Safety rules this layer guarantees:
 """
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from multiprocessing import connection as mp_connection
-from typing import Callable, Generator, Optional, Sequence
+from typing import Generator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -107,42 +105,6 @@ class _ThreadTransport(Transport):
 
     def allgather(self, flat):
         return self._exchange(flat)
-
-
-def free_port() -> int:
-    """A free TCP port on loopback, for a local process group's rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for_workers(procs: Sequence, timeout: Optional[float],
-                     stalled: Optional[Callable[[], bool]] = None) -> bool:
-    """Wait for spawned worker processes; returns False if ``timeout`` seconds passed first.
-
-    As soon as one worker exits with an error the others are killed: they would wait forever in a
-    collective for their dead peer.  At the deadline every worker still running is killed too, and so
-    they are as soon as ``stalled()``, asked about once a second, says they have stopped making progress.
-    """
-    deadline = None if timeout is None else time.monotonic() + timeout
-    try:
-        running = list(procs)
-        while running:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if stalled is not None:
-                left = 1.0 if left is None else min(left, 1.0)
-            if not mp_connection.wait([p.sentinel for p in running], timeout=left):
-                if (deadline is not None and time.monotonic() >= deadline) or (stalled is not None and stalled()):
-                    return False
-            running = [p for p in running if p.exitcode is None]
-            if any(p.exitcode for p in procs):
-                break
-        return True
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join()
 
 
 def transport_for(group: Optional[dist.ProcessGroup] = None) -> Transport:

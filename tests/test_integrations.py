@@ -38,7 +38,7 @@ def test_dgc_with_plain_sgd_and_local_weight_decay_steps():
 
 
 def test_world_size_one_applies_compression_and_feedback():
-    # The seeds' single-node "masking" experiment: nothing is exchanged, but only the top 10% is applied.
+    # Gradient masking on a single node: nothing is exchanged, but only the top 10% is applied.
     model = _model()
     opt = gradzip.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
                                        "topk", ratio=0.1)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from gradzip import model as cost
+from gradzip import costmodel as cost
 from gradzip.advise import advise
 from gradzip.cli import app
 from gradzip.harness.trainer import TrainConfig, _optimizer, parse_outer

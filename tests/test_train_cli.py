@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 import gradzip
 from gradzip.cli import app, parse_params
-from gradzip.collectives import free_port
+from gradzip.launcher import free_port
 
 STEP_FIELDS = {"kind", "epoch", "step", "loss", "accuracy", "lr", "density", "bytes_sent", "payload_bytes",
                "dense_bytes", "ratio", "step_s", "compute_s", "compress_s", "communicate_s", "decompress_s",

@@ -8,9 +8,9 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from . import compressor_class, make, parse_spec, register
 from .base import AllReduce, Compressor, TensorContext
 from .dense import NoCompression
+from .registry import compressor_class, make, parse_spec, register
 
 DEFAULT_CANDIDATES = ("none", "fp16", "powersgd:rank=2,dense_steps=0", "topk:ratio=0.01")
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from . import register
 from .base import AllReduce, Exchanged, SummableCompressor, TensorContext
+from .registry import register
 
 
 @register

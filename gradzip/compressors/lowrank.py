@@ -6,8 +6,8 @@ from typing import Optional
 
 import torch
 
-from . import register
 from .base import AllReduce, Compressor, Exchanged, TensorContext
+from .registry import register
 
 
 def orthogonalize(a: torch.Tensor, epsilon: float) -> torch.Tensor:

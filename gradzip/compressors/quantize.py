@@ -13,8 +13,8 @@ from typing import Optional
 import torch
 
 from ..bits import pack_bits, packed_nbytes, unpack_bits
-from . import register
 from .base import AllGather, AllReduce, Compressor, Exchanged, GatheredCompressor, TensorContext, workspace
+from .registry import register
 
 
 def _round_up(p: torch.Tensor, ctx: TensorContext) -> torch.Tensor:

@@ -24,8 +24,8 @@ from typing import Optional
 import torch
 
 from ..bits import pack_bits, packed_nbytes, select, unpack_bits
-from . import register
 from .base import AllGather, Exchanged, GatheredCompressor, TensorContext, workspace
+from .registry import register
 
 #: How signSGD/Signum read an exact zero: "abstain" (sign 0, ternary code) or "plus" (sign +1, one bit).
 ZEROS = ("abstain", "plus")

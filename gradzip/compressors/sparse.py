@@ -13,10 +13,10 @@ from typing import Optional
 import torch
 
 from ..bits import index_dtype
-from . import register
 from .base import AllGather, AllReduce, Compressor, Exchanged, GatheredCompressor, TensorContext, check_ratio
 from .base import value_dtype as _parse_value_dtype
 from .base import workspace
+from .registry import register
 
 
 class Sparsifier(GatheredCompressor):
@@ -79,7 +79,8 @@ class TopK(Sparsifier):
     """Top-k (Aji & Heafield 2017; Stich et al. 2018): send the k = ceil(ratio * n) largest |x_i|.
 
     Wire: k * (value bytes + index bytes) per worker, allgathered.  Use with residual error feedback;
-    without it accuracy drops sharply (ALGORITHMS.md, GRACE's ResNet-50 numbers).
+    without it accuracy drops sharply (GRACE, Xu et al. 2021: ResNet-50 with Top-k 1% reached 42.5% top-1
+    without error feedback, 73.0% with it).
     """
 
     name = "topk"

@@ -7,8 +7,8 @@ from typing import Optional
 import torch
 
 from ..bits import index_dtype, pack_bits, packed_nbytes, unpack_bits
-from . import register
 from .base import AllGather, Compressor, Exchanged, TensorContext
+from .registry import register
 from .sparse import _check_int, _check_number
 
 

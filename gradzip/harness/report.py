@@ -3,8 +3,8 @@
 ``render(directory)`` reads the runs' ``summary.json`` and ``metrics.jsonl`` and writes, in ``directory``:
 
 - ``results.csv`` and ``results.md``: one row per (method, workers[, tuned]) with mean and std over seeds;
-- ``accuracy_vs_density.png``: final score against the fraction of gradient elements sent (seed 001's
-  k% table as curves, one line per method group and worker count);
+- ``accuracy_vs_density.png``: final score against the fraction of gradient elements sent (a table
+  of accuracy by k% of elements kept, as curves: one line per method group and worker count);
 - ``loss_curves.png``, ``accuracy_curves.png``, ``accuracy_vs_time.png``: per epoch, or per step when the
   runs have a single epoch;
 - ``step_time_breakdown.png``: compute / compress / communicate / decompress per step;
@@ -206,7 +206,7 @@ def _density_text(density) -> str:
 
 
 def _pivot(rows: list, score: str, lm: bool) -> list:
-    """Seed 001's table layout for swept groups: one line per swept value, one column per group and workers."""
+    """A k%-style table for swept groups: one line per swept value, one column per group and workers."""
     swept = [r for r in rows if r["sweep_param"] is not None]
     if not swept:
         return []

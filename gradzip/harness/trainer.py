@@ -31,9 +31,9 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 import gradzip
-from gradzip.collectives import free_port, wait_for_workers
 from gradzip.compressors import parse_value
-from gradzip.diloco import OPTIONS as OUTER_OPTIONS, check_options
+from gradzip.integrations.diloco import OPTIONS as OUTER_OPTIONS, check_options
+from gradzip.launcher import free_port, wait_for_workers
 
 from .data import load_dataset
 from .models import build_model

@@ -1,5 +1,18 @@
-"""Adapters for training frameworks beyond plain DDP (the DDP hook and the optimizer wrapper are
-``gradzip.register``, ``gradzip.ddp_comm_hook`` and ``gradzip.DistributedOptimizer``)."""
-from . import accelerate
+"""Integrations: how training code hands its gradients to a :class:`~gradzip.state.GradzipState`.
 
-__all__ = ["accelerate"]
+- :mod:`.ddp`: DistributedDataParallel communication hook, ``register(ddp_model, method, **params)`` or
+  ``ddp_model.register_comm_hook(GradzipState(...), ddp_comm_hook)``.
+- :mod:`.optimizer`: ``DistributedOptimizer``, a Horovod-style optimizer wrapper for code without DDP.
+- :mod:`.diloco`: ``DiLoCo``, local training with a compressed outer exchange every ``sync_every`` steps.
+- :mod:`.accelerate`: HF Accelerate, per-rank gradzip state in ``save_state`` / ``load_state``.
+
+:mod:`.momentum_guard` is shared by the DDP hook and the optimizer wrapper: an optimizer that applies
+momentum to parameters whose compressor already does raises.  The top-level names are re-exported as
+``gradzip.register``, ``gradzip.ddp_comm_hook``, ``gradzip.DistributedOptimizer`` and ``gradzip.DiLoCo``.
+"""
+from . import accelerate
+from .ddp import ddp_comm_hook, register
+from .diloco import DiLoCo
+from .optimizer import DistributedOptimizer
+
+__all__ = ["register", "ddp_comm_hook", "DistributedOptimizer", "DiLoCo", "accelerate"]

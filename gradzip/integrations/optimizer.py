@@ -1,50 +1,22 @@
 """Horovod-style integration: wrap any optimizer so ``step()`` averages compressed gradients first.
 
-For code that does not use DistributedDataParallel (the seeds' design).  Gradients are exchanged in
-buckets as soon as every gradient of a bucket is accumulated (overlapping the rest of backward), on the
-state's single communication thread, in bucket order on every rank.
+For code that does not use DistributedDataParallel (Horovod's design: the optimizer, not a model wrapper,
+averages the gradients).  Gradients are exchanged in buckets as soon as every gradient of a bucket is
+accumulated (overlapping the rest of backward), on the state's single communication thread, in bucket
+order on every rank.
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.utils.weak import WeakIdKeyDictionary
 
-from .state import GradzipState
+from ..state import GradzipState
+from .momentum_guard import guard_momentum
 
-__all__ = ["DistributedOptimizer", "guard_momentum"]
-
-# Parameters whose gradients already carry momentum (DGC's momentum correction).  Keyed by identity:
-# a WeakSet would compare tensors with ==.
-_momentum_corrected = WeakIdKeyDictionary()
-_guard_handle = None
-
-
-def _check_no_optimizer_momentum(optimizer, args, kwargs):
-    for group in optimizer.param_groups:
-        if not any(p in _momentum_corrected for p in group["params"]):
-            continue
-        if group.get("momentum", 0) or "betas" in group:
-            raise ValueError(
-                f"{type(optimizer).__name__} applies its own momentum to parameters whose gradients gradzip "
-                "already applies momentum to (DGC's momentum correction, Signum); use torch.optim.SGD with "
-                "momentum=0 and give the momentum to the compressor instead"
-            )
-
-
-def guard_momentum(state: GradzipState, params: Iterable[torch.Tensor]) -> None:
-    """Make double momentum a checked error: any optimizer stepping these parameters with momentum raises."""
-    global _guard_handle
-    if not state.compressor.applies_momentum:
-        return
-    for p in params:
-        _momentum_corrected[p] = True
-    if _guard_handle is None:
-        _guard_handle = register_optimizer_step_pre_hook(_check_no_optimizer_momentum)
+__all__ = ["DistributedOptimizer"]
 
 
 class DistributedOptimizer(torch.optim.Optimizer):

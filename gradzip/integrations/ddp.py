@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from .optimizer import guard_momentum
-from .state import GradzipState
+from ..state import GradzipState
+from .momentum_guard import guard_momentum
 
 __all__ = ["register", "ddp_comm_hook"]
 

@@ -34,26 +34,23 @@ between hosts; stragglers.
 from __future__ import annotations
 
 import math
-import os
 import statistics
-import tempfile
 import time
-import traceback
 from dataclasses import dataclass
-from typing import Callable, Iterable, NamedTuple, Optional, Sequence
+from typing import Iterable, NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from .collectives import LocalTransport, free_port, wait_for_workers
+from .collectives import LocalTransport
+from .launcher import run_workers
 from .state import GradzipState
 
 __all__ = ["Link", "fit_link", "Collective", "RecordingTransport", "ddp_buckets", "MethodProfile",
            "profile_method", "Timeline", "step_time", "outer_step_time", "project", "format_projection",
            "fit_overlap", "Compute", "measure_compute",
-           "time_allreduces", "measure_link", "run_workers", "DEFAULT_ALPHA", "WORKER_COUNTS"]
+           "time_allreduces", "measure_link", "DEFAULT_ALPHA", "WORKER_COUNTS"]
 
 #: Per-message latency used when only a bandwidth is given.  gloo over TCP between two idle processes
 #: measured 25-140 us here (loopback, emulated 1 Gbit/s link); LANs add tens of microseconds at most.
@@ -504,65 +501,3 @@ def measure_link(workers: int = 2, netem: Optional[str] = None, sizes: Sequence[
         raise ValueError(f"measuring a link needs workers >= 2, got {workers!r}")
     points = run_workers(_link_worker, workers, tuple(sizes), repeats, netem=netem, timeout=timeout)
     return fit_link(points), points
-
-
-
-def _entry(rank, world, address, port, namespace, out_dir, fn, args):
-    try:
-        if namespace is not None:
-            from .netem import INTERFACE, enter_namespace
-
-            enter_namespace(namespace)  # before any socket: gloo's threads inherit the namespace
-            os.environ["GLOO_SOCKET_IFNAME"] = INTERFACE
-        os.environ.update(MASTER_ADDR=address, MASTER_PORT=str(port))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # as the trainer: workers share cores
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        result = fn(rank, world, *args)
-        torch.save(result, os.path.join(out_dir, f"result{rank}.pt"))
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        with open(os.path.join(out_dir, f"error{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
-
-
-def run_workers(fn: Callable, workers: int, *args, netem: Optional[str] = None, timeout: float = 300.0,
-                every_rank: bool = False):
-    """Run ``fn(rank, workers, *args)`` in ``workers`` spawned gloo processes and return rank 0's result
-    (``every_rank``: the list of every rank's result).
-
-    With ``netem`` (e.g. "rate=1gbit") every worker runs in its own network namespace of an
-    :class:`~gradzip.netem.EmulatedCluster` (root); without, over loopback.  ``fn`` must be importable
-    (a module-level function).  A failed or hung worker stops all of them and raises RuntimeError.
-    """
-    if netem is None:
-        results = _spawn(fn, workers, args, None, timeout)
-    else:
-        from .netem import EmulatedCluster, parse_netem
-
-        with EmulatedCluster(workers, parse_netem(netem)) as cluster:
-            results = _spawn(fn, workers, args, cluster, timeout)
-    return results if every_rank else results[0]
-
-
-def _spawn(fn, workers, args, cluster, timeout):
-    ctx = mp.get_context("spawn")
-    address = cluster.address(0) if cluster else "127.0.0.1"
-    port = free_port()
-    with tempfile.TemporaryDirectory() as out_dir:
-        procs = [ctx.Process(target=_entry, args=(r, workers, address, port,
-                                                  cluster.namespace(r) if cluster else None, out_dir, fn, args))
-                 for r in range(workers)]
-        for p in procs:
-            p.start()
-        finished = wait_for_workers(procs, timeout)
-        # The first traceback written is the cause; the others are ranks that lost their peer.
-        errors = sorted((os.path.join(out_dir, name) for name in os.listdir(out_dir) if name.startswith("error")),
-                        key=os.path.getmtime)
-        if errors:
-            raise RuntimeError("a worker failed:\n" + open(errors[0]).read())
-        if not finished or any(p.exitcode != 0 for p in procs):
-            raise RuntimeError(f"workers did not finish within {timeout:.0f} s "
-                               f"(exit codes {[p.exitcode for p in procs]})")
-        return [torch.load(os.path.join(out_dir, f"result{r}.pt"), weights_only=True) for r in range(workers)]

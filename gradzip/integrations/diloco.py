@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .compressors import make
-from .state import GradzipState
+from ..compressors import make
+from ..state import GradzipState
 
 __all__ = ["DiLoCo", "check_options", "OPTIONS"]
 
@@ -55,7 +55,7 @@ OPTIONS = {
 
 def check_options(**options) -> None:
     """Raise a one-line ValueError for a bad value of a :class:`DiLoCo` option in ``OPTIONS`` (or a bad
-    combination of them); the launcher calls it too, to fail before any worker starts."""
+    combination of them); ``gradzip train --outer`` calls it too, to fail before any worker starts."""
     for key, value in options.items():
         check, what = OPTIONS[key]
         if not check(value):

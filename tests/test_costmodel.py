@@ -1,4 +1,4 @@
-"""The cost model (gradzip/model.py) and the advisor (gradzip/advise.py).  No timing is asserted."""
+"""The cost model (gradzip/costmodel.py) and the advisor (gradzip/advise.py).  No timing is asserted."""
 from __future__ import annotations
 
 import math
@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import gradzip
-from gradzip import model as cm
+from gradzip import costmodel as cm
 from gradzip.advise import accuracy_risk, advise
 from gradzip.compressors import parse_spec
 from gradzip.compressors.base import TensorContext

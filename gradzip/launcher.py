@@ -1,0 +1,119 @@
+"""Launching local worker processes: a rendezvous port, a watchdog over spawned workers, and
+:func:`run_workers`, which runs a function in N spawned gloo processes and returns their results.
+
+The trainer, the cost model's link calibration, the benchmarks and the multi-process tests launch
+workers with it.  It imports only torch and the standard library (and :mod:`gradzip.netem` when asked to
+emulate a network), so anything may import it without pulling in the rest of gradzip.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+import traceback
+from multiprocessing import connection as mp_connection
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["free_port", "wait_for_workers", "run_workers"]
+
+
+def free_port() -> int:
+    """A free TCP port on loopback, for a local process group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_workers(procs: Sequence, timeout: Optional[float],
+                     stalled: Optional[Callable[[], bool]] = None) -> bool:
+    """Wait for spawned worker processes; returns False if ``timeout`` seconds passed first.
+
+    As soon as one worker exits with an error the others are killed: they would wait forever in a
+    collective for their dead peer.  At the deadline every worker still running is killed too, and so
+    they are as soon as ``stalled()``, asked about once a second, says they have stopped making progress.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        running = list(procs)
+        while running:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if stalled is not None:
+                left = 1.0 if left is None else min(left, 1.0)
+            if not mp_connection.wait([p.sentinel for p in running], timeout=left):
+                if (deadline is not None and time.monotonic() >= deadline) or (stalled is not None and stalled()):
+                    return False
+            running = [p for p in running if p.exitcode is None]
+            if any(p.exitcode for p in procs):
+                break
+        return True
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+
+
+def _entry(rank, world, address, port, namespace, out_dir, fn, args):
+    try:
+        if namespace is not None:
+            from .netem import INTERFACE, enter_namespace
+
+            enter_namespace(namespace)  # before any socket: gloo's threads inherit the namespace
+            os.environ["GLOO_SOCKET_IFNAME"] = INTERFACE
+        os.environ.update(MASTER_ADDR=address, MASTER_PORT=str(port))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # as the trainer: workers share cores
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        result = fn(rank, world, *args)
+        torch.save(result, os.path.join(out_dir, f"result{rank}.pt"))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        with open(os.path.join(out_dir, f"error{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
+def run_workers(fn: Callable, workers: int, *args, netem: Optional[str] = None, timeout: float = 300.0,
+                every_rank: bool = False):
+    """Run ``fn(rank, workers, *args)`` in ``workers`` spawned gloo processes and return rank 0's result
+    (``every_rank``: the list of every rank's result).
+
+    With ``netem`` (e.g. "rate=1gbit") every worker runs in its own network namespace of an
+    :class:`~gradzip.netem.EmulatedCluster` (root); without, over loopback.  ``fn`` must be importable
+    (a module-level function).  A failed or hung worker stops all of them and raises RuntimeError.
+    """
+    if netem is None:
+        results = _spawn(fn, workers, args, None, timeout)
+    else:
+        from .netem import EmulatedCluster, parse_netem
+
+        with EmulatedCluster(workers, parse_netem(netem)) as cluster:
+            results = _spawn(fn, workers, args, cluster, timeout)
+    return results if every_rank else results[0]
+
+
+def _spawn(fn, workers, args, cluster, timeout):
+    ctx = mp.get_context("spawn")
+    address = cluster.address(0) if cluster else "127.0.0.1"
+    port = free_port()
+    with tempfile.TemporaryDirectory() as out_dir:
+        procs = [ctx.Process(target=_entry, args=(r, workers, address, port,
+                                                  cluster.namespace(r) if cluster else None, out_dir, fn, args))
+                 for r in range(workers)]
+        for p in procs:
+            p.start()
+        finished = wait_for_workers(procs, timeout)
+        # The first traceback written is the cause; the others are ranks that lost their peer.
+        errors = sorted((os.path.join(out_dir, name) for name in os.listdir(out_dir) if name.startswith("error")),
+                        key=os.path.getmtime)
+        if errors:
+            raise RuntimeError("a worker failed:\n" + open(errors[0]).read())
+        if not finished or any(p.exitcode != 0 for p in procs):
+            raise RuntimeError(f"workers did not finish within {timeout:.0f} s "
+                               f"(exit codes {[p.exitcode for p in procs]})")
+        return [torch.load(os.path.join(out_dir, f"result{r}.pt"), weights_only=True) for r in range(workers)]
