@@ -52,6 +52,12 @@ def test_targets_say_not_met_and_name_crashes():
     rows[2] = e2e.Result("rate=100mbit", "gradzip topk 1%", 1.0, 0.01, 0.81)
     assert "accuracy 1.00 points above dense (0.5: met)" in "\n".join(e2e.targets(rows))
     assert "completed on every link: NOT met (gradzip dgc 0.1% did not)" in lines
+    # An outer-loop contender, however fast, is not the per-step methods' "fastest": it gets its own line.
+    rows.append(e2e.Result("rate=100mbit", "gradzip diloco H=50", 0.5, 0.005, 0.79))
+    lines = "\n".join(e2e.targets(rows))
+    assert "fastest gradzip method gradzip topk 1%, 10.00x dense" in lines
+    assert "rate=100mbit, outer loop (not counted above): fastest gradzip diloco H=50, 20.00x dense, " \
+           "accuracy -1.00 points against dense" in lines
 
 
 def test_plot_marks_a_crashed_contender_in_the_legend(tmp_path, monkeypatch):
