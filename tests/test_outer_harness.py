@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from gradzip import costmodel as cost
 from gradzip.advise import advise
 from gradzip.cli import app
-from gradzip.harness.trainer import TrainConfig, _optimizer, parse_outer
+from gradzip.harness.trainer import TrainConfig, _compressor, _optimizer, parse_outer
 
 DIGITS = ["train", "--dataset", "digits", "--model", "mlp", "--no-progress"]
 KEYS = "valid keys: sync_every, fragments, outer_lr, outer_momentum, nesterov, overlap, merge_alpha"
@@ -56,8 +56,10 @@ def test_outer_config_refusals_and_the_inner_optimizer():
     dgc = TrainConfig(model="mlp", dataset="digits", outer="diloco:sync_every=4,outer_momentum=0",
                       compressor="dgc", optimizer="adamw")
     assert dgc.name == "mlp-digits-dgc-diloco_sync_every_4_outer_momentum_0-w2-s0"
-    opt, params = _optimizer(TrainConfig(model="mlp", dataset="digits", outer="diloco:sync_every=4,outer_momentum=0",
-                                         compressor="dgc", momentum=0.7), [torch.nn.Parameter(torch.zeros(2))])
+    config = TrainConfig(model="mlp", dataset="digits", outer="diloco:sync_every=4,outer_momentum=0",
+                         compressor="dgc", momentum=0.7)
+    compressor, params = _compressor(config)
+    opt = _optimizer(config, [torch.nn.Parameter(torch.zeros(2))], compressor)
     assert opt.defaults["momentum"] == 0.7 and params == {}  # the inner SGD keeps its momentum
 
 

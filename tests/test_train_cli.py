@@ -100,15 +100,24 @@ def _config(**kwargs):
     return TrainConfig(model="mlp", dataset="digits", momentum=0.7, lr=0.05, weight_decay=1e-4, **kwargs)
 
 
-def test_sgd_momentum_only_for_methods_that_do_not_apply_their_own():
-    from gradzip.harness.trainer import _optimizer
+def _optimizer(config, weights):
+    """The run's optimizer and the parameters its compressor was built with, as the worker builds them."""
+    from gradzip.harness.trainer import _compressor, _optimizer
 
+    compressor, params = _compressor(config)
+    return _optimizer(config, weights, compressor), params
+
+
+def test_sgd_momentum_only_for_methods_that_do_not_apply_their_own():
     weights = [torch.nn.Parameter(torch.zeros(3))]
     opt, params = _optimizer(_config(compressor="topk", params={"ratio": 0.1}), weights)
     assert type(opt) is torch.optim.SGD and opt.defaults["momentum"] == 0.7 and params == {"ratio": 0.1}
     # DGC's momentum correction: the run's momentum goes to DGC, none to SGD; an explicit one is kept.
     opt, params = _optimizer(_config(compressor="dgc"), weights)
     assert opt.defaults["momentum"] == 0.0 and params == {"momentum": 0.7}
+    from gradzip.harness.trainer import _compressor
+
+    assert _compressor(_config(compressor="dgc"))[0].momentum == 0.7  # the built instance has it
     assert _optimizer(_config(compressor="dgc", params={"momentum": 0.5}), weights)[1] == {"momentum": 0.5}
     for name in gradzip.compressors():
         opt, params = _optimizer(_config(compressor=name), weights)
@@ -118,8 +127,6 @@ def test_sgd_momentum_only_for_methods_that_do_not_apply_their_own():
 
 
 def test_adamw_takes_the_runs_lr_and_weight_decay_and_refuses_methods_with_momentum():
-    from gradzip.harness.trainer import _optimizer
-
     weights = [torch.nn.Parameter(torch.zeros(3))]
     opt, params = _optimizer(_config(optimizer="adamw", compressor="powersgd"), weights)
     assert type(opt) is torch.optim.AdamW and params == {}

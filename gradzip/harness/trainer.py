@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 import gradzip
-from gradzip.compressors import parse_value
+from gradzip.compressors import Compressor, parse_value
 from gradzip.integrations.diloco import OPTIONS as OUTER_OPTIONS, check_options
 from gradzip.launcher import free_port, wait_for_workers
 
@@ -393,50 +393,96 @@ def _restart_store(rank: int, world: int):
     return dist.PrefixStore(f"gradzip/restart{restart}/", store)
 
 
-def _optimizer(config: TrainConfig, parameters) -> tuple[torch.optim.Optimizer, dict]:
-    """The run's optimizer and the compressor's parameters to use with it."""
+def _compressor(config: TrainConfig) -> tuple[Compressor, dict]:
+    """The run's compressor, built once per worker, and the parameters it was built with."""
     params = dict(config.params)
+    compressor = gradzip.make(config.compressor, **params)
     # A method that applies momentum itself (DGC's momentum correction, Signum) gets none from the
-    # optimizer on top; DGC takes the run's momentum, Signum keeps its own beta.  Under an outer loop the
-    # method compresses pseudo-gradients, not this optimizer's gradients: the optimizer keeps its momentum.
-    own_momentum = config.outer is None and gradzip.make(config.compressor, **params).applies_momentum
+    # optimizer on top (see _optimizer); DGC takes the run's momentum, Signum keeps its own beta.  Under an
+    # outer loop the method compresses pseudo-gradients, not the optimizer's gradients.
+    own_momentum = config.outer is None and compressor.applies_momentum
     if own_momentum and "momentum" in gradzip.parameters_of(config.compressor) and "momentum" not in params:
         params["momentum"] = config.momentum
+        compressor = gradzip.make(config.compressor, **params)  # only here: the run's momentum goes to DGC
+    return compressor, params
+
+
+def _optimizer(config: TrainConfig, parameters, compressor: Compressor) -> torch.optim.Optimizer:
+    """The run's optimizer; with a method that applies momentum itself, SGD adds none."""
     if config.optimizer == "adamw":  # TrainConfig refuses AdamW with a method that applies momentum
-        return torch.optim.AdamW(parameters, lr=config.lr, weight_decay=config.weight_decay), params
-    momentum = 0.0 if own_momentum else config.momentum
-    return torch.optim.SGD(parameters, lr=config.lr, momentum=momentum, weight_decay=config.weight_decay), params
+        return torch.optim.AdamW(parameters, lr=config.lr, weight_decay=config.weight_decay)
+    momentum = 0.0 if config.outer is None and compressor.applies_momentum else config.momentum
+    return torch.optim.SGD(parameters, lr=config.lr, momentum=momentum, weight_decay=config.weight_decay)
 
 
-def _train(rank, world, config, device, torchrun, ticks=None):
+def _exchange(config: TrainConfig, model, optimizer, compressor, device) -> tuple:
+    """How this worker exchanges gradients: ``(net, opt, state, outer)``, where ``net`` runs the forward
+    pass, ``opt`` steps and ``state`` is the GradzipState whose stats the metrics read."""
+    if config.outer is not None:  # each rank steps its own replica; DiLoCo syncs every sync_every steps
+        outer = gradzip.DiLoCo(model, optimizer, compressor=compressor, seed=config.seed, **parse_outer(config.outer))
+        return model, optimizer, outer.state, outer
+    if config.integration == "ddp":
+        net = nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+        if config.baseline is None:
+            return net, optimizer, gradzip.register(net, compressor, seed=config.seed), None
+        state = gradzip.GradzipState(compressor)  # "none", unused: keeps the bookkeeping uniform (zeros)
+        _register_baseline(net, config.baseline)
+        return net, optimizer, state, None
+    opt = gradzip.DistributedOptimizer(optimizer, model.named_parameters(), compressor, seed=config.seed)
+    return model, opt, opt.gradzip_state, None
+
+
+@dataclass
+class _Run:
+    """One worker's run: what _setup builds, and the counters the loop, the checkpoints and the summary share."""
+
+    config: TrainConfig
+    rank: int
+    world: int
+    device: torch.device
+    directory: Path
+    model: nn.Module
+    net: nn.Module  # what the forward pass runs: the DDP wrapper, or the model itself
+    optimizer: torch.optim.Optimizer  # the torch optimizer, whose state is checkpointed
+    opt: torch.optim.Optimizer  # what steps: the optimizer, or gradzip's DistributedOptimizer around it
+    state: gradzip.GradzipState
+    outer: Optional[gradzip.DiLoCo]
+    eval_set: object
+    language_model: bool
+    sampler: DistributedSampler
+    loader: DataLoader
+    steps_per_epoch: int
+    ticks: object = None  # the launcher's stall-watch counters, one per rank
+    start_epoch: int = 0
+    start_batch: int = 0
+    global_step: int = 0
+    elapsed: float = 0.0  # wall seconds of the runs this one resumes
+    reached: Optional[dict] = None
+    writer: Optional[_Writer] = None  # rank 0 only
+    progress: object = None
+    t_start: float = 0.0
+    lr: Optional[float] = None  # the last step's
+    epoch_record: Optional[dict] = None
+    step_times: dict = field(default_factory=dict)  # this process's sums (rank 0), for the summary's means
+
+    def wall(self) -> float:
+        return self.elapsed + time.perf_counter() - self.t_start
+
+    def tick(self) -> None:  # for the launcher's stall watch: this rank has finished one more step or test batch
+        if self.ticks is not None:
+            self.ticks[self.rank] += 1
+
+
+def _setup(rank, world, config: TrainConfig, device, torchrun: bool, ticks) -> _Run:
     directory = run_dir(config)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / f"rank{rank}.pid").write_text(str(os.getpid()))
     train_set, eval_set, info = _datasets(config)
-    language_model = info.task == "language_model"
     torch.manual_seed(config.seed)
     model = build_model(config.model, info).to(device)
-
-    optimizer, params = _optimizer(config, model.parameters())
-    outer = None
-    if config.outer is not None:  # each rank steps its own replica; DiLoCo syncs every sync_every steps
-        net, opt = model, optimizer
-        outer = gradzip.DiLoCo(model, optimizer, compressor=config.compressor, seed=config.seed,
-                               **parse_outer(config.outer), **params)
-        state = outer.state
-    elif config.integration == "ddp":
-        net = nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
-        if config.baseline is None:
-            state = gradzip.register(net, config.compressor, seed=config.seed, **params)
-        else:
-            state = gradzip.GradzipState("none")  # unused: keeps the bookkeeping below uniform (zeros)
-            _register_baseline(net, config.baseline)
-        opt = optimizer
-    else:
-        net = model
-        opt = gradzip.DistributedOptimizer(optimizer, model.named_parameters(), config.compressor,
-                                           seed=config.seed, **params)
-        state = opt.gradzip_state
+    compressor, _ = _compressor(config)
+    optimizer = _optimizer(config, model.parameters(), compressor)
+    net, opt, state, outer = _exchange(config, model, optimizer, compressor, device)
 
     sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=config.seed,
                                  drop_last=True)
@@ -445,133 +491,161 @@ def _train(rank, world, config, device, torchrun, ticks=None):
     if steps_per_epoch == 0:
         raise ValueError(f"no full batch of {config.batch_size} per worker: the training set has "
                          f"{len(train_set)} samples for {world} workers")
-
-    start_epoch, start_batch, global_step, elapsed, lines = 0, 0, 0, 0.0, None
-    reached = None
-    restarted = torchrun and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    resume_step = _resume_step(directory, rank, world) if (config.resume or restarted) else -1
-    if resume_step >= 0:
-        saved = torch.load(_checkpoint_path(directory, rank, resume_step), map_location=device, weights_only=True)
-        model.load_state_dict(saved["model"])
-        optimizer.load_state_dict(saved["optimizer"])
-        if outer is None:
-            state.load_state_dict(saved["gradzip"])
-        else:  # after DiLoCo's constructor, whose broadcast of rank 0's replica would overwrite this one
-            outer.load_state_dict(saved["outer"])
-        start_epoch, start_batch, global_step = saved["epoch"], saved["batch"], saved["global_step"]
-        elapsed, lines, reached = saved["elapsed"], saved["metrics_lines"], saved.get("reached")
-    writer = _Writer(directory, lines) if rank == 0 else None
+    run = _Run(config, rank, world, device, directory, model, net, optimizer, opt, state, outer, eval_set,
+               info.task == "language_model", sampler, loader, steps_per_epoch, ticks)
+    lines = _resume(run, torchrun)
+    run.writer = _Writer(directory, lines) if rank == 0 else None
     if rank == 0:
         (directory / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
+    run.progress = _progress(rank == 0 and config.progress, config.epochs * steps_per_epoch,
+                             run.start_epoch * steps_per_epoch + run.start_batch, config.name)
+    run.t_start = time.perf_counter()
+    return run
 
-    if resume_step < 0:
-        for stale in _checkpoint_steps(directory, rank):  # a fresh run never resumes an older one's files
-            _checkpoint_path(directory, rank, stale).unlink()
 
-    def checkpoint(epoch, batch):
-        exchange = {"gradzip": state.state_dict()} if outer is None else {"outer": outer.state_dict()}
-        _save(directory, rank, global_step, {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                     **exchange, "epoch": epoch, "batch": batch, "global_step": global_step,
-                     "elapsed": elapsed + time.perf_counter() - t_start,
-                     "metrics_lines": writer.lines if writer else None, "reached": reached})
+def _resume(run: _Run, torchrun: bool) -> Optional[int]:
+    """Continue from the newest checkpoint every rank has, if asked (or restarted by torchrun); a fresh
+    run deletes this rank's older checkpoints instead.  Returns the metrics lines to keep (None: none)."""
+    restarted = torchrun and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    step = _resume_step(run.directory, run.rank, run.world) if (run.config.resume or restarted) else -1
+    if step < 0:
+        for stale in _checkpoint_steps(run.directory, run.rank):  # never resume an older run's files
+            _checkpoint_path(run.directory, run.rank, stale).unlink()
+        return None
+    saved = torch.load(_checkpoint_path(run.directory, run.rank, step), map_location=run.device, weights_only=True)
+    run.model.load_state_dict(saved["model"])
+    run.optimizer.load_state_dict(saved["optimizer"])
+    if run.outer is None:
+        run.state.load_state_dict(saved["gradzip"])
+    else:  # after DiLoCo's constructor, whose broadcast of rank 0's replica would overwrite this one
+        run.outer.load_state_dict(saved["outer"])
+    run.start_epoch, run.start_batch, run.global_step = saved["epoch"], saved["batch"], saved["global_step"]
+    run.elapsed, run.reached = saved["elapsed"], saved.get("reached")
+    return saved["metrics_lines"]
 
-    progress = _progress(rank == 0 and config.progress, config.epochs * steps_per_epoch,
-                         start_epoch * steps_per_epoch + start_batch, config.name)
 
-    def tick():  # for the launcher's stall watch: this rank has finished one more step or test batch
-        if ticks is not None:
-            ticks[rank] += 1
+def _checkpoint(run: _Run, epoch: int, batch: int) -> None:
+    """This rank's checkpoint: resuming from it continues with batch ``batch`` of epoch ``epoch``."""
+    exchange = {"gradzip": run.state.state_dict()} if run.outer is None else {"outer": run.outer.state_dict()}
+    _save(run.directory, run.rank, run.global_step, {
+        "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(), **exchange, "epoch": epoch,
+        "batch": batch, "global_step": run.global_step, "elapsed": run.wall(),
+        "metrics_lines": run.writer.lines if run.writer else None, "reached": run.reached})
 
-    t_start = time.perf_counter()
-    epoch_record = None
-    step_times: dict = {}  # this process's sums (rank 0), for the summary's mean step breakdown
-    for epoch in range(start_epoch, config.epochs):
-        sampler.set_epoch(epoch)
-        if outer is None:  # under DiLoCo, step-counted schedules (DGC's warm-up) count syncs, as documented
-            state.set_epoch(epoch)
-        before_epoch = state.stats()
-        sums = torch.zeros(3, dtype=torch.float64)
-        epoch_t = time.perf_counter()
-        for batch, (x, y) in enumerate(loader):
-            if batch >= steps_per_epoch:
-                break
-            if epoch == start_epoch and batch < start_batch:
-                continue  # resuming inside an epoch: same permutation, skip what was done
-            x, y = x.to(device), y.to(device)
-            lr = _lr(config, epoch + batch / steps_per_epoch)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            torch.manual_seed(config.seed * 1_000_003 + rank * 7919 + global_step)  # dropout, reproducibly
-            before = state.stats()
-            t0 = time.perf_counter()
-            opt.zero_grad()
-            loss, correct, count = _loss_and_correct(net, x, y, language_model)
-            loss.backward()
-            if config.clip is not None:
-                if config.integration == "optimizer":
-                    opt.synchronize()
-                nn.utils.clip_grad_norm_(model.parameters(), config.clip)
-            opt.step()
-            if outer is not None:
-                outer.step()
-            step_s = time.perf_counter() - t0
-            global_step += 1
-            after = state.stats()
-            sums += torch.tensor([loss.item() * count, correct.item(), count], dtype=torch.float64)
-            if writer:
-                record = _step_record(epoch, global_step, loss.item(), correct.item() / count, lr, step_s,
-                                      before, after, elapsed + time.perf_counter() - t_start, language_model)
-                if outer is not None:
-                    record.update(_outer_fields(outer))
-                writer.write(record)
-                for key in _TIMES:
-                    step_times[key] = step_times.get(key, 0.0) + record[key]
-            progress(loss.item())
-            tick()
-            if config.checkpoint_steps and global_step % config.checkpoint_steps == 0:
-                checkpoint(epoch, batch + 1)
+
+def _train(rank, world, config, device, torchrun, ticks=None):
+    run = _setup(rank, world, config, device, torchrun, ticks)
+    for epoch in range(run.start_epoch, config.epochs):
+        _train_epoch(run, epoch)
+    return _finish(run)
+
+
+def _train_epoch(run: _Run, epoch: int) -> None:
+    config, state, outer = run.config, run.state, run.outer
+    run.sampler.set_epoch(epoch)
+    if outer is None:  # under DiLoCo, step-counted schedules (DGC's warm-up) count syncs, as documented
+        state.set_epoch(epoch)
+    before_epoch = state.stats()
+    sums = torch.zeros(3, dtype=torch.float64)
+    epoch_t = time.perf_counter()
+    for batch, (x, y) in enumerate(run.loader):
+        if batch >= run.steps_per_epoch:
+            break
+        if epoch == run.start_epoch and batch < run.start_batch:
+            continue  # resuming inside an epoch: same permutation, skip what was done
+        x, y = x.to(run.device), y.to(run.device)
+        run.lr = _lr(config, epoch + batch / run.steps_per_epoch)
+        for group in run.optimizer.param_groups:
+            group["lr"] = run.lr
+        torch.manual_seed(config.seed * 1_000_003 + run.rank * 7919 + run.global_step)  # dropout, reproducibly
+        before = state.stats()
+        t0 = time.perf_counter()
+        run.opt.zero_grad()
+        loss, correct, count = _loss_and_correct(run.net, x, y, run.language_model)
+        loss.backward()
+        if config.clip is not None:
+            if config.integration == "optimizer":
+                run.opt.synchronize()
+            nn.utils.clip_grad_norm_(run.model.parameters(), config.clip)
+        run.opt.step()
         if outer is not None:
-            outer.global_parameters()  # wait for an overlapped exchange in flight: training time, not eval's
-        train_s = time.perf_counter() - epoch_t
-        if world > 1:
-            dist.all_reduce(sums)
-        with _global_parameters(outer, model):
-            eval_loss, eval_acc = _evaluate(model, eval_set, rank, world, device, language_model, tick=tick)
-        wall = elapsed + time.perf_counter() - t_start
-        score = math.exp(min(eval_loss, 50)) if language_model else eval_acc
-        if reached is None and config.target is not None and (
-                score <= config.target if language_model else score >= config.target):
-            reached = {"epoch": epoch + 1, "wall_s": wall, "step": global_step}
+            outer.step()
+        step_s = time.perf_counter() - t0
+        run.global_step += 1
         after = state.stats()
-        epoch_record = {
-            "kind": "epoch", "epoch": epoch, "step": global_step,
-            "train_loss": sums[0].item() / sums[2].item(), "train_accuracy": sums[1].item() / sums[2].item(),
-            "test_loss": eval_loss, "test_accuracy": eval_acc, "epoch_s": time.perf_counter() - epoch_t,
-            "train_s": train_s,
-            "wall_s": wall, "lr": lr, "density": _ratio(after, before_epoch, "elements_sent", "elements"),
-            **_byte_fields(before_epoch, after),
-        }
-        if language_model:
-            epoch_record["test_perplexity"] = math.exp(min(eval_loss, 50))
-            epoch_record["train_perplexity"] = math.exp(min(epoch_record["train_loss"], 50))
-        if writer:
-            writer.write(epoch_record)
-        checkpoint(epoch + 1, 0)
-    progress(None)
+        sums += torch.tensor([loss.item() * count, correct.item(), count], dtype=torch.float64)
+        _record_step(run, epoch, loss.item(), correct.item() / count, step_s, before, after)
+        run.progress(loss.item())
+        run.tick()
+        if config.checkpoint_steps and run.global_step % config.checkpoint_steps == 0:
+            _checkpoint(run, epoch, batch + 1)
+    if outer is not None:
+        outer.global_parameters()  # wait for an overlapped exchange in flight: training time, not eval's
+    train_s = time.perf_counter() - epoch_t
+    _end_epoch(run, epoch, sums, before_epoch, epoch_t, train_s)
+
+
+def _record_step(run: _Run, epoch, loss, accuracy, step_s, before, after) -> None:
+    """One step's line in metrics.jsonl (rank 0)."""
+    if not run.writer:
+        return
+    record = _step_record(epoch, run.global_step, loss, accuracy, run.lr, step_s, before, after, run.wall(),
+                          run.language_model)
+    if run.outer is not None:
+        record.update(_outer_fields(run.outer))
+    run.writer.write(record)
+    for key in _TIMES:
+        run.step_times[key] = run.step_times.get(key, 0.0) + record[key]
+
+
+def _end_epoch(run: _Run, epoch, sums, before_epoch, epoch_t, train_s) -> None:
+    """Evaluate, write the epoch's line and checkpoint."""
+    if run.world > 1:
+        dist.all_reduce(sums)
+    with _global_parameters(run.outer, run.model):
+        eval_loss, eval_acc = _evaluate(run.model, run.eval_set, run.rank, run.world, run.device,
+                                        run.language_model, tick=run.tick)
+    wall = run.wall()
+    target, language_model = run.config.target, run.language_model
+    score = math.exp(min(eval_loss, 50)) if language_model else eval_acc
+    if run.reached is None and target is not None and (score <= target if language_model else score >= target):
+        run.reached = {"epoch": epoch + 1, "wall_s": wall, "step": run.global_step}
+    after = run.state.stats()
+    record = {
+        "kind": "epoch", "epoch": epoch, "step": run.global_step,
+        "train_loss": sums[0].item() / sums[2].item(), "train_accuracy": sums[1].item() / sums[2].item(),
+        "test_loss": eval_loss, "test_accuracy": eval_acc, "epoch_s": time.perf_counter() - epoch_t,
+        "train_s": train_s,
+        "wall_s": wall, "lr": run.lr, "density": _ratio(after, before_epoch, "elements_sent", "elements"),
+        **_byte_fields(before_epoch, after),
+    }
+    if language_model:
+        record["test_perplexity"] = math.exp(min(eval_loss, 50))
+        record["train_perplexity"] = math.exp(min(record["train_loss"], 50))
+    run.epoch_record = record
+    if run.writer:
+        run.writer.write(record)
+    _checkpoint(run, epoch + 1, 0)
+
+
+def _finish(run: _Run) -> Optional[dict]:
+    """Close the outputs; rank 0 writes and returns summary.json (other ranks: None)."""
+    run.progress(None)
     summary = None
-    if writer:
-        writer.close()
-        summary = _summary(config, state.stats(), epoch_record, reached,
-                           elapsed + time.perf_counter() - t_start, world, global_step)
-        steps_here = global_step - (start_epoch * steps_per_epoch + start_batch)
-        summary.update({f"mean_{k}": v / steps_here for k, v in step_times.items()} if steps_here else {})
+    if run.writer:
+        run.writer.close()
+        state, outer = run.state, run.outer
+        summary = _summary(run.config, state.stats(), run.epoch_record, run.reached, run.wall(), run.world,
+                           run.global_step)
+        steps_here = run.global_step - (run.start_epoch * run.steps_per_epoch + run.start_batch)
+        summary.update({f"mean_{k}": v / steps_here for k, v in run.step_times.items()} if steps_here else {})
         if outer is not None:
             summary.update(_outer_fields(outer), evaluated="theta_g: DiLoCo's global parameters, equal on every "
                                                           "rank (a replica equals them only right after a sync)")
         if hasattr(state.compressor, "choices"):  # auto: which candidate each tensor settled on
             summary["choices"] = state.compressor.choices(state.tensors)
-        (directory / "summary.json").write_text(json.dumps(summary, indent=2))
-    if world > 1:
+        (run.directory / "summary.json").write_text(json.dumps(summary, indent=2))
+    if run.world > 1:
         dist.barrier()
     return summary
 
