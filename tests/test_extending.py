@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import importlib
 import re
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import gradzip
-from gradzip.compressors import compressors
+from gradzip.compressors import compressors, registry
 from gradzip.compressors.base import AllGather, Exchanged, GatheredCompressor
 from gradzip.testing import check_compressor
 
@@ -25,7 +26,11 @@ def meansign(tmp_path_factory):
     (folder / "meansign.py").write_text(code)
     with pytest.MonkeyPatch.context() as mp:
         mp.syspath_prepend(str(folder))  # spawned workers inherit sys.path: they import it too
-        yield importlib.import_module("meansign")
+        try:
+            yield importlib.import_module("meansign")
+        finally:  # later tests that loop over every registered method must not meet it
+            registry._REGISTRY.pop("meansign", None)
+            sys.modules.pop("meansign", None)
 
 
 def test_the_documented_example_passes_every_check(meansign):
