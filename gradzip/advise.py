@@ -50,6 +50,10 @@ _RULES = {
     "signum": ("high", "biased sign of momentum without error feedback, as signSGD (Karimireddy et al. 2019)") * 2,
     "sparseloco": ("medium", "chunked top-k with 2-bit values and decaying error feedback; made for the outer "
                              "loop, where it beat full-precision DiLoCo (Sarfi et al. 2025)") * 2,
+    "adaptive_threshold": ("medium", "sparsifier sending one mean per sign with error feedback; close to SGD on "
+                                     "small networks (Dryden et al. 2016)", "high", _GRACE),
+    "sketch": ("medium", "count-sketch top-k with error feedback; near-SGD accuracy reported (Ivkin et al. 2019, "
+                         "Rothchild et al. 2020)", "high", _GRACE),
 }
 
 

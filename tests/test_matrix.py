@@ -1,34 +1,30 @@
 """The shared test matrix: every registered compressor, picked up from the registry automatically.
 
-Round trip (shapes, dtypes), exact wire bytes against the method's own formula, error-feedback
-conservation, cross-rank agreement, odd inputs and non-finite inputs.  Real multi-process checks of
-the same properties are in test_distributed.py.
+Each check is one of :mod:`gradzip.testing`'s, the ones ``gradzip.testing.check_compressor`` runs on
+compressors written outside the package: round trip (shapes, dtypes), exact wire bytes against the
+method's own formula, error-feedback conservation, cross-rank agreement, odd inputs, non-finite inputs
+and state_dict resume.  Real multi-process checks of the same properties are in test_distributed.py.
 """
 from __future__ import annotations
 
+import functools
+
 import pytest
-import torch
 
 import gradzip
-from gradzip import feedback
-from gradzip.collectives import LocalTransport, run_lockstep, simulate
-from gradzip.compressors import compressor_class
-from gradzip.compressors.base import TensorContext
-from gradzip.compressors.dense import NoCompression
-from tests.workers import odd_inputs, params_for
+from gradzip import testing
+from tests.workers import params_for
 
 NAMES = gradzip.compressors()
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-SHAPES = [(64, 40), (1000,), (6, 5, 3, 3)]
 
 
 def build(name, **extra):
     return gradzip.make(name, **{**params_for(name), **extra})
 
 
-def grads(shape, dtype, seed):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(shape, generator=g) * 0.1).to(dtype)
+def factory(name):
+    """A fresh compressor per check, with the test parameters that make it compress small tensors."""
+    return functools.partial(build, name)
 
 
 def test_registry_lists_every_required_method():
@@ -54,140 +50,51 @@ def test_every_parameter_has_a_default_and_repr_round_trips(name):
     assert repr(again) == repr(c)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", testing.DTYPES, ids=str)
 @pytest.mark.parametrize("name", NAMES)
 def test_round_trip_keeps_shape_and_dtype(name, dtype):
-    state = gradzip.GradzipState(build(name))
-    for step in range(4):
-        named = [(f"t{i}", grads(shape, dtype, step * 10 + i)) for i, shape in enumerate(SHAPES)]
-        out = state.exchange(named)
-        for (_, g), o in zip(named, out):
-            assert o.shape == g.shape and o.dtype == g.dtype
-            assert torch.isfinite(o).all()
+    testing.check_round_trip(factory(name), dtype=dtype)
 
 
-def _exchange_one(compressor, x, ctx):
-    run = compressor.exchange if compressor.compresses(ctx) else NoCompression().exchange
-    (result,), report = run_lockstep([run(x.float(), ctx)], LocalTransport())
-    return result, report
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape", SHAPES + [(13,), (9, 7)], ids=str)
+@pytest.mark.parametrize("dtype", testing.DTYPES, ids=str)
+@pytest.mark.parametrize("shape", testing.WIRE_SHAPES, ids=str)
 @pytest.mark.parametrize("name", NAMES)
 def test_wire_bytes_match_the_methods_formula(name, shape, dtype):
-    compressor = build(name)
-    x = grads(shape, dtype, 3)
-    for step in (0, 50):  # some methods start dense (PowerSGD's dense_steps)
-        ctx = TensorContext("w", x.shape, dtype, step=step)
-        compressed = compressor.compresses(ctx)  # asked before the exchange, as feedback.py does
-        result, report = _exchange_one(compressor, x, ctx)
-        if compressed:
-            kept = int(result.mask.sum()) if result.mask is not None else None
-            expected = compressor.payload_bytes(ctx, kept)
-        else:
-            expected = x.numel() * x.element_size()
-        assert report.per_tensor_payload == [expected]
-        assert report.payload_bytes == expected
-        # One byte or element more on the wire: the non-finite flag rides along the first collective.
-        assert expected <= report.wire_bytes <= expected + 8 * (1 + 2 * report.collectives)
-
-
-def _close(a, b, scale):
-    # Conservation holds up to one rounding of the subtraction p - sent.
-    return torch.allclose(a, b, rtol=0, atol=4 * torch.finfo(torch.float32).eps * float(scale) + 1e-12)
+    testing.check_wire_bytes(factory(name), shape=shape, dtype=dtype)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_error_feedback_conserves_everything(name):
-    cls = compressor_class(name)
-    for scheme in cls.feedbacks:
-        state = gradzip.GradzipState(build(name, feedback=scheme))
-        for step in range(6):
-            named = [(f"t{i}", grads(shape, torch.float32, 100 * step + i)) for i, shape in enumerate(SHAPES)]
-            before = {k: dict(v) for k, v in state.tensors.items()}
-            out = state.exchange(named)
-            for (key, g), sent in zip(named, out):  # world size 1: the aggregate is what was sent
-                old, new = before.get(key, {}), state.tensors.get(key, {})
-                if scheme == "residual":
-                    p = g + old.get("residual", 0)
-                    kept = new.get("residual", torch.zeros_like(g))
-                    assert _close(sent + kept, p, p.abs().max()), f"{scheme} step {step} {key}"
-                elif scheme == "momentum":
-                    c = state.compressor
-                    u_old = old.get("momentum", torch.zeros_like(g))
-                    if c.nesterov:
-                        increment = (u_old + g) * c.momentum + g
-                    else:
-                        increment = c.momentum * u_old + g
-                    v_in = old.get("velocity", 0) + increment
-                    kept = new.get("velocity", torch.zeros_like(g))
-                    if c.clip_norm is None:
-                        assert _close(sent + kept, v_in, v_in.abs().max()), f"{scheme} step {step} {key}"
+    testing.check_error_feedback(factory(name))
 
 
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("name", NAMES)
 def test_ranks_agree_bit_for_bit(name, world):
-    compressor = build(name)
-    for step in (0, 50):
-        gens = []
-        for rank in range(world):
-            x = grads((24, 40), torch.float32, rank)
-            ctx = TensorContext("w", x.shape, x.dtype, step=step, rank=rank, world_size=world)
-            gens.append([feedback.exchange(compressor, x, ctx)])
-        outs = [[r.aggregate for r in rank_outs] for rank_outs in simulate(gens)]
-        for rank in range(1, world):
-            assert torch.equal(outs[0][0], outs[rank][0])
-        assert outs[0][0].shape == (24, 40)
+    testing.check_ranks_agree(factory(name), world=world)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_odd_inputs(name):
-    state = gradzip.GradzipState(build(name))
-    for step in range(3):
-        named = odd_inputs(step)
-        out = state.exchange(named)
-        for (_, g), o in zip(named, out):
-            assert o.shape == g.shape and o.dtype == g.dtype and torch.isfinite(o).all()
+    testing.check_odd_inputs(factory(name))
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_nonfinite_input_gives_nan_and_keeps_state(name):
-    state = gradzip.GradzipState(build(name))
-    named = odd_inputs(0)
-    state.exchange(named)
-    saved = state.state_dict()
-    bad = [(k, g.clone()) for k, g in named]
-    bad[-1][1][0, 0] = float("nan")
-    out = state.exchange(bad)
-    assert all(torch.isnan(o).all() for o in out if o.numel())
-    after = state.state_dict()
-    assert after["steps"] == saved["steps"]
-    for key, slot in saved["tensors"].items():
-        for n, v in slot.items():
-            assert torch.equal(after["tensors"][key][n], v)
-    assert state.stats()["nonfinite_exchanges"] == 1
+    testing.check_nonfinite(factory(name))
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_state_dict_resume_is_exact(name):
-    def run(state, steps):
-        return [state.exchange([(f"t{i}", grads(s, torch.float32, 7 * k + i)) for i, s in enumerate(SHAPES)])
-                for k in steps]
+    testing.check_state_dict(factory(name))
 
-    # Saved after six steps: past every test warm-up, and after auto's timed plan, which a resumed run
-    # must take over rather than measure again.
-    first = gradzip.GradzipState(build(name), seed=5)
-    run(first, range(6))
-    saved = first.state_dict()
-    expected = run(first, range(6, 9))
-    resumed = gradzip.GradzipState(build(name), seed=0)
-    resumed.load_state_dict(saved)
-    got = run(resumed, range(6, 9))
-    for a, b in zip(expected, got):
-        for x, y in zip(a, b):
-            assert torch.equal(x, y)
+
+def test_check_compressor_runs_every_check_of_the_matrix():
+    checks = {name for name, _, _ in testing.CHECKS}
+    assert checks == {"round_trip", "wire_bytes", "error_feedback", "ranks_agree", "odd_inputs", "nonfinite",
+                      "state_dict"}
+    assert testing.check_compressor(factory("topk"), distributed=False) == [
+        "round_trip", "wire_bytes", "error_feedback", "ranks_agree", "odd_inputs", "nonfinite", "state_dict"]
 
 
 def test_state_dict_of_another_method_is_refused():

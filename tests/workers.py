@@ -11,6 +11,7 @@ from torch import nn
 
 import gradzip
 from gradzip.collectives import ThreadGroup, Transport
+from gradzip.testing import odd_inputs  # noqa: F401  (re-exported: tests import it from here)
 
 # Parameters that make each method actually compress the small test model within a few steps.
 TEST_PARAMS = {
@@ -140,20 +141,6 @@ def simulate_training(world, name, steps):
     for t in threads:
         t.join()
     return results
-
-
-def odd_inputs(rank):
-    """Empty, 0-d, one-element, non-contiguous and odd-sized tensors with rank-dependent values."""
-    g = torch.Generator().manual_seed(rank + 1)
-    return [
-        ("empty", torch.empty(0)),
-        ("empty2d", torch.empty(0, 7)),
-        ("scalar", torch.randn((), generator=g)),
-        ("one", torch.randn(1, generator=g)),
-        ("transposed", torch.randn(9, 5, generator=g).t()),
-        ("odd", torch.randn(1001, generator=g) * (rank + 1)),
-        ("matrix", torch.randn(33, 40, generator=g)),
-    ]
 
 
 def exchange_odd_inputs(rank, world, steps):

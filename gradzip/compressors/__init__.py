@@ -10,5 +10,6 @@ from .registry import compressor_class, compressors, make, parameters_of, parse_
 # Importing the family modules registers their classes (order = listing order).
 from . import dense, sparse, quantize, sign, lowrank, auto  # noqa: F401
 from . import sparseloco  # noqa: F401
+from . import sketch  # noqa: F401
 
 __all__ = ["Compressor", "register", "compressors", "compressor_class", "parameters_of", "make", "parse_value", "parse_spec"]

@@ -486,3 +486,57 @@ class CSC(SharedSparsifier):
         if kept is None:
             raise ValueError(f"{self.name} sends a data-dependent number of elements; pass kept=")
         return 4 * -(-ctx.shape.numel() // self.chunk_size) + kept * self.values_dtype(ctx).itemsize
+
+
+@register
+class AdaptiveThreshold(Compressor):
+    """Adaptive quantization (Dryden, Moon, Jacobs & Van Essen 2016, "Communication Quantization for
+    Data-Parallel Training of Deep Neural Networks", MLHPC): per tensor, keep the fraction ``ratio`` of
+    the positive values (the largest) and the same fraction of the negative ones (the most negative),
+    and send each kept set's indices with one value, the set's mean:
+
+        P = the ceil(ratio * |{x_i > 0}|) largest positive x_i,   mu+ = mean_{i in P} x_i
+        M = the ceil(ratio * |{x_i < 0}|) most negative x_i,      mu- = mean_{i in M} x_i
+        D(C(x))_i = mu+ (i in P),  mu- (i in M),  0 elsewhere
+
+    Residual error feedback (the default) keeps x - D(C(x)).  Workers choose different positions, so the
+    fields are allgathered and scatter-added in rank order.  Wire: 8 + (|P| + |M|) * index bytes (the two
+    means in fp32), allgathered with a size header.
+    """
+
+    name = "adaptive_threshold"
+    default_feedback = "residual"
+
+    def __init__(self, ratio: float = 0.01, feedback: Optional[str] = None):
+        super().__init__(feedback)
+        self.ratio = check_ratio("ratio", ratio)
+
+    def _side(self, flat: torch.Tensor, sign: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions of the kept values of one sign (unique int64) and their mean (fp32, 0 when none)."""
+        signed = flat * sign
+        candidates = (signed > 0).nonzero().reshape(-1)
+        k = math.ceil(self.ratio * candidates.numel())
+        idx = candidates[torch.topk(signed[candidates], k, sorted=False).indices]
+        mean = flat[idx].mean() if k else flat.new_zeros(())
+        return idx, mean
+
+    def exchange(self, x, ctx):
+        flat = x.reshape(-1).float()
+        pos, mu_pos = self._side(flat, 1.0)
+        neg, mu_neg = self._side(flat, -1.0)
+        itype = index_dtype(flat.numel())
+        means = torch.stack([mu_pos, mu_neg])
+        gathered = yield AllGather((means, pos.to(itype), neg.to(itype)), same_size=False)
+        total = torch.zeros(flat.numel(), dtype=torch.float32, device=x.device)
+        for m, p, q in gathered:  # rank order: identical float sums on every rank
+            total.index_add_(0, p.long(), m[0].expand(p.numel()))
+            total.index_add_(0, q.long(), m[1].expand(q.numel()))
+        total.div_(ctx.world_size)
+        idx = torch.cat([pos, neg])
+        values = torch.cat([mu_pos.expand(pos.numel()), mu_neg.expand(neg.numel())])
+        return Exchanged(total.view(ctx.shape), sparse=(idx, values))
+
+    def payload_bytes(self, ctx, kept=None):
+        if kept is None:
+            raise ValueError(f"{self.name} sends a data-dependent number of elements; pass kept=")
+        return 8 + kept * index_dtype(ctx.shape.numel()).itemsize

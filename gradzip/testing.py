@@ -1,0 +1,375 @@
+"""Checks every compressor must pass, for methods written outside gradzip too.
+
+    from gradzip.testing import check_compressor
+    check_compressor(MyCompressor)           # a zero-argument factory (a class with defaults is one)
+    check_compressor("topk")                 # a registered name
+    check_compressor(gradzip.make("topk", ratio=0.1), distributed=False)   # a built instance
+
+Each check gets a fresh compressor: an instance is deep-copied, a name or a factory is called again.
+The checks are those gradzip's own test matrix runs on every registered method (tests/test_matrix.py
+calls the functions below one by one):
+
+- ``round_trip``: fp32, fp16 and bf16 gradients of several shapes come back with their shape and dtype,
+  finite, over several steps;
+- ``wire_bytes``: the bytes handed to collectives equal the method's own ``payload_bytes`` formula;
+- ``error_feedback``: under each scheme in ``feedbacks``, sent + kept == compensated input
+  (residual: g + e; DGC's momentum correction: v + u);
+- ``ranks_agree``: 2 and 3 simulated ranks (``collectives.simulate``) get the same aggregate, bit for bit;
+- ``odd_inputs``: empty, 0-d, one-element, non-contiguous and odd-sized tensors;
+- ``nonfinite``: a NaN input gives NaN everywhere and commits no state;
+- ``state_dict``: a run resumed from ``state_dict()`` continues bit for bit;
+- ``distributed`` (``distributed=True``): two real gloo processes (:func:`gradzip.launcher.run_workers`)
+  get identical results.  The compressor travels to them by pickle, so its class (or factory) must be
+  importable by module and name: defined at the top level of a module, not in a function or a notebook.
+  When it cannot be pickled this check is skipped with a warning saying why.
+
+A failed check raises AssertionError whose message names the compressor, the check and what broke.
+This module imports only gradzip's core and launcher; the core does not import it.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+import pickle
+import warnings
+from typing import Callable, Union
+
+import torch
+
+from . import feedback
+from .collectives import LocalTransport, run_lockstep, simulate
+from .compressors.base import Compressor, TensorContext
+from .compressors.dense import NoCompression
+from .compressors.registry import make
+from .launcher import run_workers
+from .state import GradzipState
+
+__all__ = ["check_compressor", "CHECKS", "DTYPES", "SHAPES", "WIRE_SHAPES", "odd_inputs", "grads", "factory_of",
+           "check_round_trip", "check_wire_bytes", "check_error_feedback", "check_ranks_agree", "check_odd_inputs",
+           "check_nonfinite", "check_state_dict", "check_distributed"]
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+SHAPES = ((64, 40), (1000,), (6, 5, 3, 3))
+WIRE_SHAPES = SHAPES + ((13,), (9, 7))
+
+Factory = Callable[[], Compressor]
+
+
+def odd_inputs(rank):
+    """Empty, 0-d, one-element, non-contiguous and odd-sized tensors with rank-dependent values."""
+    g = torch.Generator().manual_seed(rank + 1)
+    return [
+        ("empty", torch.empty(0)),
+        ("empty2d", torch.empty(0, 7)),
+        ("scalar", torch.randn((), generator=g)),
+        ("one", torch.randn(1, generator=g)),
+        ("transposed", torch.randn(9, 5, generator=g).t()),
+        ("odd", torch.randn(1001, generator=g) * (rank + 1)),
+        ("matrix", torch.randn(33, 40, generator=g)),
+    ]
+
+
+def grads(shape, dtype, seed):
+    """A reproducible gradient-like tensor (standard deviation 0.1)."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * 0.1).to(dtype)
+
+
+def factory_of(compressor: Union[Compressor, str, Factory]) -> Factory:
+    """A zero-argument callable returning a fresh compressor, picklable when the compressor is."""
+    if isinstance(compressor, Compressor):
+        return functools.partial(copy.deepcopy, compressor)
+    if isinstance(compressor, str):
+        return functools.partial(make, compressor)
+    if callable(compressor):
+        return compressor
+    raise TypeError(f"check_compressor needs a Compressor, a registered name or a zero-argument factory, "
+                    f"got {type(compressor).__name__}")
+
+
+def _fresh(factory: Factory) -> Compressor:
+    c = factory()
+    if not isinstance(c, Compressor):
+        raise TypeError(f"the factory returned {type(c).__name__}, not a gradzip Compressor")
+    return c
+
+
+def _fail(c: Compressor, check: str, detail: str):
+    raise AssertionError(f"{c.name or type(c).__name__}: {check}: {detail}")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _check_each_step(c, check, fn):
+    """Run ``fn()``; an exception other than a failed check becomes one naming the compressor and check."""
+    try:
+        return fn()
+    except AssertionError:
+        raise
+    except Exception as exc:
+        raise AssertionError(f"{c.name or type(c).__name__}: {check}: raised {type(exc).__name__}: {exc}") from exc
+
+
+def _guarded(check: str):
+    def wrap(fn):
+        @functools.wraps(fn)
+        def run(factory, *args, **kwargs):
+            factory = factory_of(factory)
+            c = _fresh(factory)
+            return _check_each_step(c, check, lambda: fn(factory, c, *args, **kwargs))
+        return run
+    return wrap
+
+
+# -- the checks ---------------------------------------------------------------------------------------------
+
+
+@_guarded("round trip")
+def check_round_trip(factory, c, dtype=torch.float32, steps=4):
+    """Shapes and dtypes are kept and the output is finite, over ``steps`` steps of ``SHAPES``."""
+    state = GradzipState(c)
+    for step in range(steps):
+        named = [(f"t{i}", grads(shape, dtype, step * 10 + i)) for i, shape in enumerate(SHAPES)]
+        out = state.exchange(named)
+        for (key, g), o in zip(named, out):
+            where = f"{_dtype_name(dtype)} tensor {key} of shape {tuple(g.shape)} at step {step}"
+            if o.shape != g.shape or o.dtype != g.dtype:
+                _fail(c, "round trip", f"{where} came back as {tuple(o.shape)} {_dtype_name(o.dtype)}")
+            if not torch.isfinite(o).all():
+                _fail(c, "round trip", f"{where} came back with non-finite values")
+
+
+def _exchange_one(compressor, x, ctx):
+    run = compressor.exchange if compressor.compresses(ctx) else NoCompression().exchange
+    (result,), report = run_lockstep([run(x.float(), ctx)], LocalTransport())
+    return result, report
+
+
+@_guarded("wire bytes")
+def check_wire_bytes(factory, c, shape=(13,), dtype=torch.float32, steps=(0, 50)):
+    """The payload counted by the collectives equals ``payload_bytes`` (``kept`` from the mask when sparse);
+    a tensor the method does not compress costs n * itemsize.  Wire bytes add at most the health flag,
+    size headers and padding."""
+    x = grads(shape, dtype, 3)
+    for step in steps:  # some methods start dense (PowerSGD's dense_steps)
+        ctx = TensorContext("w", x.shape, dtype, step=step)
+        compressed = c.compresses(ctx)  # asked before the exchange, as feedback.py does
+        result, report = _exchange_one(c, x, ctx)
+        if compressed:
+            kept = int(result.mask.sum()) if result.mask is not None else None
+            expected = c.payload_bytes(ctx, kept)
+        else:
+            expected = x.numel() * x.element_size()
+        where = f"wire bytes for shape {tuple(shape)} {_dtype_name(dtype)} at step {step}"
+        if report.per_tensor_payload != [expected] or report.payload_bytes != expected:
+            _fail(c, where, f"payload {report.payload_bytes} != formula {expected}"
+                  + ("" if compressed else " (a tensor sent densely costs n * itemsize)"))
+        # One byte or element more on the wire: the non-finite flag rides along the first collective.
+        limit = expected + 8 * (1 + 2 * report.collectives)
+        if not expected <= report.wire_bytes <= limit:
+            _fail(c, where, f"wire {report.wire_bytes} outside [{expected}, {limit}] "
+                  "(payload plus flag, size headers and padding)")
+
+
+def _close(a, b, scale):
+    # Conservation holds up to one rounding of the subtraction p - sent.
+    return torch.allclose(a, b, rtol=0, atol=4 * torch.finfo(torch.float32).eps * float(scale) + 1e-12)
+
+
+def _with_feedback(c: Compressor, scheme: str) -> Compressor:
+    """The same compressor with feedback ``scheme``: rebuilt from its constructor parameters (a method may
+    build parts from its feedback, as auto does), else a copy with ``feedback`` set."""
+    sig = inspect.signature(type(c).__init__).parameters
+    if "feedback" in sig:
+        kwargs = {k: v for k, v in c.params().items() if k in sig}
+        kwargs["feedback"] = scheme
+        return type(c)(**kwargs)
+    c = copy.deepcopy(c)
+    c.feedback = scheme
+    return c
+
+
+@_guarded("error feedback")
+def check_error_feedback(factory, c, steps=6):
+    """sent + kept == compensated input under every scheme in ``feedbacks`` (world size 1)."""
+    for scheme in c.feedbacks:
+        state = GradzipState(_with_feedback(_fresh(factory), scheme))
+        cs = state.compressor
+        for step in range(steps):
+            named = [(f"t{i}", grads(shape, torch.float32, 100 * step + i)) for i, shape in enumerate(SHAPES)]
+            before = {k: dict(v) for k, v in state.tensors.items()}
+            out = state.exchange(named)
+            for (key, g), sent in zip(named, out):  # world size 1: the aggregate is what was sent
+                old, new = before.get(key, {}), state.tensors.get(key, {})
+                if scheme == "residual":
+                    p = g + old.get("residual", 0)
+                    kept = new.get("residual", torch.zeros_like(g))
+                elif scheme == "momentum" and cs.clip_norm is None:
+                    u_old = old.get("momentum", torch.zeros_like(g))
+                    increment = (u_old + g) * cs.momentum + g if cs.nesterov else cs.momentum * u_old + g
+                    p = old.get("velocity", 0) + increment
+                    kept = new.get("velocity", torch.zeros_like(g))
+                else:
+                    continue
+                if not _close(sent + kept, p, p.abs().max()):
+                    lost = float((sent + kept - p).abs().max())
+                    _fail(c, "error feedback", f"scheme {scheme!r}, tensor {key} of shape {tuple(g.shape)} at step "
+                          f"{step}: sent + kept differs from the compensated input by up to {lost:.3g} "
+                          f"(|input| up to {float(p.abs().max()):.3g}): the {scheme} state lost mass")
+
+
+@_guarded("ranks agree")
+def check_ranks_agree(factory, c, world=2, steps=(0, 50)):
+    """``world`` simulated ranks with different gradients get the same aggregate, bit for bit."""
+    for step in steps:
+        gens = []
+        for rank in range(world):
+            x = grads((24, 40), torch.float32, rank)
+            ctx = TensorContext("w", x.shape, x.dtype, step=step, rank=rank, world_size=world)
+            gens.append([feedback.exchange(c, x, ctx)])
+        outs = [rank_outs[0].aggregate for rank_outs in simulate(gens)]
+        if tuple(outs[0].shape) != (24, 40):
+            _fail(c, "ranks agree", f"the aggregate of a (24, 40) tensor has shape {tuple(outs[0].shape)}")
+        for rank in range(1, world):
+            if not torch.equal(outs[0], outs[rank]):
+                _fail(c, "ranks agree", f"world {world}, step {step}: rank {rank}'s aggregate differs from rank 0's "
+                      f"by up to {float((outs[0] - outs[rank]).abs().max()):.3g}")
+
+
+@_guarded("odd inputs")
+def check_odd_inputs(factory, c, steps=3):
+    """Empty, 0-d, one-element, non-contiguous and odd-sized tensors (:func:`odd_inputs`)."""
+    state = GradzipState(c)
+    for step in range(steps):
+        named = odd_inputs(step)
+        out = state.exchange(named)
+        for (key, g), o in zip(named, out):
+            if o.shape != g.shape or o.dtype != g.dtype or not torch.isfinite(o).all():
+                _fail(c, "odd inputs", f"tensor {key!r} of shape {tuple(g.shape)} at step {step} came back as "
+                      f"{tuple(o.shape)} {_dtype_name(o.dtype)}, finite: {bool(torch.isfinite(o).all())}")
+
+
+@_guarded("non-finite input")
+def check_nonfinite(factory, c):
+    """A NaN in one tensor gives NaN in every output and changes no state."""
+    state = GradzipState(c)
+    named = odd_inputs(0)
+    state.exchange(named)
+    saved = state.state_dict()
+    bad = [(k, g.clone()) for k, g in named]
+    bad[-1][1][0, 0] = float("nan")
+    out = state.exchange(bad)
+    finite = [k for (k, _), o in zip(bad, out) if o.numel() and not torch.isnan(o).all()]
+    if finite:
+        _fail(c, "non-finite input", f"a NaN in tensor {bad[-1][0]!r} left tensors {finite} not all NaN")
+    after = state.state_dict()
+    if after["steps"] != saved["steps"]:
+        _fail(c, "non-finite input", "the step counters advanced on a NaN step")
+    for key, slot in saved["tensors"].items():
+        for n, v in slot.items():
+            if not torch.equal(after["tensors"][key][n], v):
+                _fail(c, "non-finite input", f"state {n!r} of tensor {key!r} changed on a NaN step")
+    if state.stats()["nonfinite_exchanges"] != 1:
+        _fail(c, "non-finite input", "the NaN step was not counted in stats()['nonfinite_exchanges']")
+
+
+@_guarded("state_dict resume")
+def check_state_dict(factory, c, warmup=6, steps=3):
+    """A state saved after ``warmup`` steps and loaded into a fresh one continues bit for bit."""
+    def run(state, ks):
+        return [state.exchange([(f"t{i}", grads(s, torch.float32, 7 * k + i)) for i, s in enumerate(SHAPES)])
+                for k in ks]
+
+    # Saved after six steps: past warm-ups and auto's timed plan, which a resumed run must take over.
+    first = GradzipState(c, seed=5)
+    run(first, range(warmup))
+    saved = first.state_dict()
+    expected = run(first, range(warmup, warmup + steps))
+    resumed = GradzipState(_fresh(factory), seed=0)
+    resumed.load_state_dict(saved)
+    got = run(resumed, range(warmup, warmup + steps))
+    for k, (a, b) in enumerate(zip(expected, got)):
+        for i, (x, y) in enumerate(zip(a, b)):
+            if not torch.equal(x, y):
+                _fail(c, "state_dict resume", f"step {warmup + k}, tensor t{i} of shape {tuple(x.shape)}: the "
+                      f"resumed run differs by up to {float((x - y).abs().max()):.3g}")
+
+
+def _distributed_worker(rank, world, factory, steps):
+    """Runs in each spawned process: ``steps`` exchanges of regular and odd tensors; returns the outputs."""
+    state = GradzipState(factory())
+    outs = []
+    for step in range(steps):
+        named = [(f"t{i}", grads(s, torch.float32, 100 * rank + 10 * step + i)) for i, s in enumerate(SHAPES)]
+        outs.append(state.exchange(named + odd_inputs(rank + step)))
+    state.close()
+    return outs
+
+
+def _unpicklable(factory) -> str:
+    try:
+        pickle.dumps(factory)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return ""
+
+
+def check_distributed(factory, world=2, steps=3, timeout=240.0) -> bool:
+    """Two (``world``) real gloo processes get identical outputs with their shapes, finite.
+
+    Returns False, with a warning, when the factory cannot be pickled to the workers.
+    """
+    factory = factory_of(factory)
+    c = _fresh(factory)
+    why = _unpicklable(factory)
+    if why:
+        warnings.warn(f"{c.name or type(c).__name__}: distributed check skipped: the compressor cannot be sent "
+                      f"to worker processes ({why}); define its class or factory at the top level of an "
+                      "importable module, or pass distributed=False", stacklevel=2)
+        return False
+    try:
+        results = run_workers(_distributed_worker, world, factory, steps, timeout=timeout, every_rank=True)
+    except RuntimeError as exc:
+        _fail(c, f"distributed ({world} gloo processes)", f"the workers failed: {exc}")
+    shapes = [tuple(s) for s in SHAPES] + [tuple(g.shape) for _, g in odd_inputs(0)]
+    for step in range(steps):
+        first = results[0][step]
+        if [tuple(t.shape) for t in first] != shapes:
+            _fail(c, "distributed", f"step {step}: output shapes {[tuple(t.shape) for t in first]} != {shapes}")
+        if not all(torch.isfinite(t).all() for t in first):
+            _fail(c, "distributed", f"step {step}: rank 0 got non-finite values")
+        for rank in range(1, world):
+            for i, (a, b) in enumerate(zip(first, results[rank][step])):
+                if not torch.equal(a, b):
+                    _fail(c, "distributed", f"step {step}, tensor {i} of shape {tuple(a.shape)}: rank {rank} "
+                          f"differs from rank 0 over {world} gloo processes")
+    return True
+
+
+#: Every check of :func:`check_compressor` with the arguments it runs: (name, function, kwargs).
+CHECKS = (
+    [("round_trip", check_round_trip, {"dtype": d}) for d in DTYPES]
+    + [("wire_bytes", check_wire_bytes, {"shape": s, "dtype": d}) for s in WIRE_SHAPES for d in DTYPES]
+    + [("error_feedback", check_error_feedback, {})]
+    + [("ranks_agree", check_ranks_agree, {"world": w}) for w in (2, 3)]
+    + [("odd_inputs", check_odd_inputs, {}), ("nonfinite", check_nonfinite, {}), ("state_dict", check_state_dict, {})]
+)
+
+
+def check_compressor(compressor: Union[Compressor, str, Factory], *, distributed: bool = True) -> list:
+    """Run every check on ``compressor`` (a built instance, a registered name, or a zero-argument factory
+    returning a fresh instance); raises AssertionError naming the compressor and the check on the first
+    failure.  Returns the names of the checks that ran ("distributed" only when it did run).
+    """
+    factory = factory_of(compressor)
+    ran = []
+    for name, check, kwargs in CHECKS:
+        check(factory, **kwargs)
+        if name not in ran:
+            ran.append(name)
+    if distributed and check_distributed(factory):
+        ran.append("distributed")
+    return ran
