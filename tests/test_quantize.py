@@ -369,3 +369,40 @@ def test_natural_validation():
         make("natural", feedback="bogus")
     with pytest.raises(ValueError, match="unknown parameter"):
         make("natural", levels=2)
+
+
+# -- readable references: the fast paths give their values bit for bit from the same draws ------------------
+def _uniforms(ctx, n):
+    """The draws the fast paths take: this worker's private stream (``_round_up``)."""
+    return torch.rand(n, generator=ctx.generator(torch.device("cpu"), shared=False))
+
+
+@pytest.mark.parametrize("norm", ["l2", "max"])
+@pytest.mark.parametrize("n, bucket, s", [(1024, 512, 1), (1000, 128, 7), (37, 512, 3), (4096, 512, 255)])
+def test_qsgd_fast_path_equals_the_papers_equations(n, bucket, s, norm):
+    from gradzip.compressors.quantize import qsgd_reference
+
+    comp = make("qsgd", levels=s, bucket_size=bucket, norm=norm)
+    for step in range(3):
+        x = torch.randn(n, generator=torch.Generator().manual_seed(step)) * 10.0 ** (step - 1)
+        x[::11] = 0.0
+        ctx = ctx_for(x.shape, step=step)
+        fast = comp.decompress(comp.compress(x, ctx), ctx)
+        padded = math.ceil(n / bucket) * bucket
+        assert torch.equal(fast, qsgd_reference(x, s, _uniforms(ctx, padded)[:n], bucket, norm))
+
+
+def test_natural_fast_path_equals_the_papers_equations():
+    from gradzip.compressors.quantize import natural_reference
+
+    comp = make("natural")
+    x = torch.cat([torch.randn(3000, generator=torch.Generator().manual_seed(1)) * 10.0 ** torch.randint(
+        -30, 30, (3000,), generator=torch.Generator().manual_seed(2)).float(),
+        torch.tensor([0.0, -0.0, 1.0, -2.0, 0.75, 2.0**-70, -(2.0**-64), 2.0**-63, 3.0 * 2.0**62, 2.0**70,
+                      -(2.0**64), float("inf"), float("nan")])])
+    for step in range(3):
+        ctx = ctx_for(x.shape, step=step)
+        fast = comp.decompress(comp.compress(x, ctx), ctx)
+        reference = natural_reference(x, _uniforms(ctx, x.numel()))
+        assert torch.equal(fast.isnan(), reference.isnan())
+        assert torch.equal(fast.nan_to_num(), reference.nan_to_num())

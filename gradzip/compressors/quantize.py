@@ -55,6 +55,48 @@ def _check_int(name: str, value, lo: int, hi: Optional[int] = None) -> int:
     return value
 
 
+def qsgd_reference(x: torch.Tensor, s: int, u: torch.Tensor, bucket_size: int = 512,
+                   norm: str = "l2") -> torch.Tensor:
+    """QSGD's Q_s as the paper writes it, bucket by bucket, given one uniform u_i in [0, 1) per element.
+
+    For a bucket v:  r_i = |v_i| s / ||v||,  l_i = floor(r_i),  xi_i = l_i + [u_i < r_i - l_i],
+    Q(v_i) = ||v|| sign(v_i) xi_i / s.  The fast path (:class:`QSGD`) computes the same values in the
+    same float order from the same draws (tested bit for bit).
+    """
+    flat, draws = x.reshape(-1).float(), u.reshape(-1)
+    out = torch.zeros_like(flat)
+    for start in range(0, flat.numel(), bucket_size):
+        v, ub = flat[start:start + bucket_size], draws[start:start + bucket_size]
+        # The norm of the bucket zero-padded to bucket_size: the same value, summed in the fast path's order.
+        whole = torch.cat([v, v.new_zeros(bucket_size - v.numel())])
+        scale = torch.linalg.vector_norm(whole) if norm == "l2" else whole.abs().max()
+        if scale == 0:
+            continue
+        r = v.abs() * (s / scale)
+        xi = (r.floor() + (ub < r - r.floor()).float()).clamp(0, s)
+        out[start:start + bucket_size] = torch.sign(v) * xi * (scale / s)
+    return out.reshape(x.shape)
+
+
+def natural_reference(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Natural compression as the paper writes it, given one uniform u_i in [0, 1) per element.
+
+    For |x| in [2^a, 2^(a+1)):  p = |x| / 2^a - 1,  C(x) = sign(x) 2^(a+1) if u < p else sign(x) 2^a.
+    gradzip's wire adds a range: below 2^-63 the two levels are 0 and 2^-63 (p = |x| 2^63), from 2^63
+    up the value is clamped to 2^63, and NaN/Inf decode to NaN.  The fast path (:class:`Natural`) reads p
+    off the fp32 bit pattern; it is tested against this bit for bit.
+    """
+    flat, draws = x.reshape(-1).float(), u.reshape(-1)
+    mantissa, exponent = torch.frexp(flat.abs())  # |x| = mantissa 2^exponent, mantissa in [0.5, 1)
+    a = (exponent - 1).float()
+    p = mantissa * 2 - 1
+    tiny = flat.abs() < 2.0**-63
+    a, p = torch.where(tiny, -64.0, a), torch.where(tiny, flat.abs() * 2.0**63, p)
+    level = torch.exp2((a + (draws < p).float()).clamp(max=63))
+    out = torch.where(level < 2.0**-63, 0.0, level) * torch.sign(flat)
+    return torch.where(torch.isfinite(flat), out, float("nan")).reshape(x.shape)
+
+
 @register
 class QSGD(GatheredCompressor):
     """QSGD (Alistarh et al., NeurIPS 2017), bucketed.
