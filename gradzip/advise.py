@@ -17,6 +17,7 @@ import torch.distributed as dist
 from . import costmodel as cost
 from .compressors import make, parse_spec
 from .costmodel import Link
+from .feedback import NoFeedback, scheme_of
 
 __all__ = ["advise", "accuracy_risk", "format_advice", "DEFAULT_METHODS"]
 
@@ -74,7 +75,7 @@ def accuracy_risk(method: str, params: Optional[dict] = None, density: Optional[
         return risk, f"may choose {spec}: {why}"
     if method not in _RULES and method != "qsgd":
         return "unknown", "not in the rule table"
-    feedback = make(method, **params).feedback != "none"
+    feedback = not isinstance(scheme_of(make(method, **params)), NoFeedback)
     if method == "qsgd":
         bits = math.ceil(math.log2(params.get("levels", 1) + 1)) + 1
         if bits >= 4:

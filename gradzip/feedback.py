@@ -1,38 +1,85 @@
 """Error feedback: what a worker keeps of the gradient mass that compression did not send.
 
-All three schemes wrap a compressor's exchange generator and keep the invariant
+Each scheme is a small :class:`Feedback` object that wraps a compressor's exchange generator and keeps
+the invariant
 
     sent + new_state == compensated input          (nothing dropped is lost, only delayed)
 
-- ``none``: send C(g); whatever C drops is gone (right for unbiased quantisers).
-- ``residual`` (Seide et al. 2014; Karimireddy et al. 2019): p = g + e; send C(p); e = p - D(C(p)).
-- ``momentum`` (DGC, Lin et al. ICLR 2018, Sec. 3.2-3.3): momentum correction
-  u = m*u + g (Nesterov: u = (u + g)*m, v gets u + g); v = v + u; send C(v); v = v - D(C(v));
+- :class:`NoFeedback` (``none``): send C(g); whatever C drops is gone (right for unbiased quantisers).
+- :class:`Residual` (``residual``; Seide et al. 2014; Karimireddy et al. 2019): p = g + e; send C(p);
+  e = p - D(C(p)).
+- :class:`MomentumCorrection` (``momentum``; DGC, Lin et al. ICLR 2018, Sec. 3.2-3.3): momentum
+  correction u = m*u + g (Nesterov: u = (u + g)*m, v gets u + g); v = v + u; send C(v); v = v - D(C(v));
   momentum factor masking zeroes u where an element was sent; local clipping of g by
   ``clip_norm * N^-1/2`` before accumulation.  The optimizer must then apply no momentum of its own.
+
+A compressor names its scheme in ``compressor.feedback`` (a string, as in its ``params()`` and state
+dicts); :func:`scheme_of` gives the object, built here from the name and the compressor's
+``feedback_params()`` (DGC's and CSC's momentum, nesterov, clip_norm) and cached on the compressor, so
+that the compressors never import this module.  :func:`exchange` is the entry point.
 """
 from __future__ import annotations
+
+import copy
+import inspect
+from typing import ClassVar, Optional
 
 import torch
 
 from .compressors.base import Compressor, Exchange, TensorContext, workspace
 from .compressors.dense import NoCompression
+from .compressors.sparse import _momentum_params
 
-__all__ = ["exchange", "FEEDBACKS"]
+__all__ = ["exchange", "FEEDBACKS", "Feedback", "NoFeedback", "Residual", "MomentumCorrection", "make_feedback",
+           "scheme_of", "with_feedback"]
 
-FEEDBACKS = ("none", "residual", "momentum")
 _DENSE = NoCompression()
 
 
-def exchange(compressor: Compressor, g: torch.Tensor, ctx: TensorContext) -> Exchange:
-    """Compress one gradient with the compressor's feedback scheme; returns its :class:`Exchanged`."""
-    x = g.detach().reshape(ctx.shape).float()
-    compressed = compressor.compresses(ctx)
-    run = compressor.exchange if compressed else _DENSE.exchange
-    scheme = compressor.feedback
-    if scheme == "none":
+class Feedback:
+    """Base class of the error-feedback schemes: ``name`` (the compressor's ``feedback`` string),
+    ``state_keys`` (the per-tensor state entries it owns) and the generator :meth:`exchange`."""
+
+    name: ClassVar[str] = ""
+    state_keys: ClassVar[tuple] = ()
+    #: The constructor parameters, taken from a compressor's ``feedback_params()`` by :func:`scheme_of`.
+    param_names: ClassVar[tuple] = ()
+
+    def params(self) -> dict:
+        return {k: getattr(self, k) for k in self.param_names}
+
+    def exchange(self, compressor: Compressor, x: torch.Tensor, ctx: TensorContext, run, compressed: bool) -> Exchange:
+        """Run ``run(input, ctx)`` (the compressor's exchange, or the dense one when ``compressed`` is
+        False) on the compensated input and update this scheme's state in ``ctx``."""
+        raise NotImplementedError
+
+    def __eq__(self, other):
+        return type(other) is type(self) and other.params() == self.params()
+
+    def __hash__(self):
+        return hash((type(self), tuple(self.params().items())))
+
+    def __repr__(self):
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.params().items())})"
+
+
+class NoFeedback(Feedback):
+    """send C(g); whatever C drops is gone (right for unbiased quantisers)."""
+
+    name = "none"
+
+    def exchange(self, compressor, x, ctx, run, compressed):
         return (yield from run(x, ctx))
-    if scheme == "residual":
+
+
+class Residual(Feedback):
+    """Residual error feedback (Seide et al. 2014; Karimireddy et al. 2019):
+    p = g + e; send C(p); e = p - D(C(p))."""
+
+    name = "residual"
+    state_keys = ("residual",)
+
+    def exchange(self, compressor, x, ctx, run, compressed):
         residual = ctx.get("residual")
         p = x if residual is None else x + residual
         result = yield from run(p, ctx)
@@ -42,9 +89,124 @@ def exchange(compressor: Compressor, g: torch.Tensor, ctx: TensorContext) -> Exc
         keep = compressed and compressor.compresses(ctx)
         ctx.set("residual", _minus_sent(p, result, own=residual is not None) if keep else None)
         return result
-    if scheme == "momentum":
-        return (yield from _momentum_corrected(compressor, x, ctx, run, compressed))
-    raise ValueError(f"unknown feedback {scheme!r}; valid: {', '.join(FEEDBACKS)}")
+
+
+class MomentumCorrection(Feedback):
+    """DGC's momentum correction (Lin et al., ICLR 2018, Sec. 3.2-3.3):
+    u = m*u + g (Nesterov: u = (u + g)*m, v gets u + g); v = v + u; send C(v); v = v - D(C(v)); momentum
+    factor masking zeroes u where an element was sent; local clipping of g by ``clip_norm * N^-1/2``
+    before accumulation.  The optimizer must then apply no momentum of its own."""
+
+    name = "momentum"
+    state_keys = ("momentum", "velocity")
+    param_names = ("momentum", "nesterov", "clip_norm")
+
+    def __init__(self, momentum: float = 0.9, nesterov: bool = False, clip_norm: Optional[float] = None):
+        self.momentum, self.nesterov, self.clip_norm = _momentum_params(momentum, nesterov, clip_norm)
+
+    def exchange(self, compressor, g, ctx, run, compressed):
+        m = self.momentum
+        if self.clip_norm is not None:
+            limit = self.clip_norm * ctx.world_size ** -0.5
+            norm = torch.linalg.vector_norm(g)
+            g = g * torch.clamp(limit / (norm + 1e-6), max=1.0)
+        u = ctx.get("momentum")
+        u = torch.zeros_like(g) if u is None else u
+        # New tensors, then in-place steps: the same roundings as the textbook expressions in comments.
+        if self.nesterov:
+            u = torch.add(u, g).mul_(m)  # u = (u + g) * m
+            increment = u + g
+        else:
+            u = torch.mul(u, m).add_(g)  # u = m * u + g
+            increment = u
+        v = ctx.get("velocity")
+        fresh_v = v is not None or increment is not u  # v's memory is this exchange's own, not u's
+        v = increment if v is None else v + increment
+        result = yield from run(v, ctx)
+        if compressed:
+            v = _minus_sent(v, result, own=fresh_v)
+            if result.sparse is not None or result.mask is not None:
+                # Momentum factor masking.  v is already ~0 where sent (exactly 0 for fp32 values); it keeps
+                # the value-dtype rounding residue so that conservation stays exact.  u is this exchange's own.
+                if result.sparse is not None and u.is_contiguous():
+                    u.view(-1).index_fill_(0, result.sparse[0], 0.0)
+                else:
+                    u = u.masked_fill(result.mask.reshape(u.shape), 0.0)
+            ctx.set("velocity", v)
+        else:
+            # Sent whole: nothing accumulates and masking would erase the momentum, so keep u as it is.
+            ctx.set("velocity", None)
+        ctx.set("momentum", u)
+        return result
+
+
+_SCHEMES = {cls.name: cls for cls in (NoFeedback, Residual, MomentumCorrection)}
+FEEDBACKS = tuple(_SCHEMES)
+
+
+def make_feedback(spec, **params) -> Feedback:
+    """A :class:`Feedback` from None (no feedback), a scheme name (built with ``params``) or an instance."""
+    if isinstance(spec, Feedback):
+        if params:
+            raise ValueError("parameters cannot be given together with an already built feedback")
+        return spec
+    if spec is None:
+        spec = "none"
+    if spec not in _SCHEMES:
+        raise ValueError(f"unknown feedback {spec!r}; valid: {', '.join(FEEDBACKS)}")
+    return _SCHEMES[spec](**params)
+
+
+def scheme_of(compressor: Compressor) -> Feedback:
+    """The compressor's feedback object: one given to :func:`with_feedback`, else built from its
+    ``feedback`` name and ``feedback_params()``; cached on the compressor while those stay the same."""
+    name = compressor.feedback
+    cached = compressor.__dict__.get("_feedback_scheme")
+    if cached is not None and cached[0] is None and cached[1].name == name:
+        return cached[1]  # given explicitly
+    cls = _SCHEMES.get(name)
+    if cls is None:
+        raise ValueError(f"unknown feedback {name!r}; valid: {', '.join(FEEDBACKS)}")
+    given = compressor.feedback_params()
+    params = {k: given[k] for k in cls.param_names if k in given}
+    key = (name, tuple(params.items()))
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    scheme = cls(**params)
+    compressor._feedback_scheme = (key, scheme)
+    return scheme
+
+
+def with_feedback(compressor: Compressor, spec) -> Compressor:
+    """The same compressor with feedback ``spec`` (a name or a :class:`Feedback`), allowed by its
+    ``feedbacks``: rebuilt from its constructor parameters (a method may build parts from its feedback,
+    as auto does, and with the scheme's parameters where the method takes them), else a copy with
+    ``feedback`` set.  A Feedback object is used as given."""
+    scheme = spec if isinstance(spec, Feedback) else None
+    name = scheme.name if scheme is not None else spec
+    if name not in compressor.feedbacks:
+        raise ValueError(f"{compressor.name}: feedback must be one of {list(compressor.feedbacks)}, got {spec!r}")
+    sig = inspect.signature(type(compressor).__init__).parameters
+    if "feedback" in sig:
+        kwargs = {k: v for k, v in compressor.params().items() if k in sig}
+        kwargs["feedback"] = name
+        if scheme is not None:  # the scheme's parameters where the method has them (DGC's momentum)
+            kwargs.update((k, v) for k, v in scheme.params().items() if k in sig)
+        c = type(compressor)(**kwargs)
+    else:
+        c = copy.deepcopy(compressor)
+        c.feedback = name
+    if scheme is not None:
+        c._feedback_scheme = (None, scheme)
+    return c
+
+
+def exchange(compressor: Compressor, g: torch.Tensor, ctx: TensorContext) -> Exchange:
+    """Compress one gradient with the compressor's feedback scheme; returns its :class:`Exchanged`."""
+    x = g.detach().reshape(ctx.shape).float()
+    compressed = compressor.compresses(ctx)
+    run = compressor.exchange if compressed else _DENSE.exchange
+    return (yield from scheme_of(compressor).exchange(compressor, x, ctx, run, compressed))
 
 
 def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -71,39 +233,3 @@ def _minus_sent(p: torch.Tensor, result, own: bool) -> torch.Tensor:
     if own and not _shares_memory(p, sent):
         return p.sub_(sent)
     return p - sent
-
-
-def _momentum_corrected(compressor, g, ctx, run, compressed):
-    m = compressor.momentum
-    if compressor.clip_norm is not None:
-        limit = compressor.clip_norm * ctx.world_size ** -0.5
-        norm = torch.linalg.vector_norm(g)
-        g = g * torch.clamp(limit / (norm + 1e-6), max=1.0)
-    u = ctx.get("momentum")
-    u = torch.zeros_like(g) if u is None else u
-    # New tensors, then in-place steps: the same roundings as the textbook expressions in comments.
-    if compressor.nesterov:
-        u = torch.add(u, g).mul_(m)  # u = (u + g) * m
-        increment = u + g
-    else:
-        u = torch.mul(u, m).add_(g)  # u = m * u + g
-        increment = u
-    v = ctx.get("velocity")
-    fresh_v = v is not None or increment is not u  # v's memory is this exchange's own, not u's
-    v = increment if v is None else v + increment
-    result = yield from run(v, ctx)
-    if compressed:
-        v = _minus_sent(v, result, own=fresh_v)
-        if result.sparse is not None or result.mask is not None:
-            # Momentum factor masking.  v is already ~0 where sent (exactly 0 for fp32 values); it keeps
-            # the value-dtype rounding residue so that conservation stays exact.  u is this exchange's own.
-            if result.sparse is not None and u.is_contiguous():
-                u.view(-1).index_fill_(0, result.sparse[0], 0.0)
-            else:
-                u = u.masked_fill(result.mask.reshape(u.shape), 0.0)
-        ctx.set("velocity", v)
-    else:
-        # Sent whole: nothing accumulates and masking would erase the momentum, so keep u as it is.
-        ctx.set("velocity", None)
-    ctx.set("momentum", u)
-    return result

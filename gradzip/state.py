@@ -20,7 +20,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from . import feedback
+from . import feedback as _feedback
 from .collectives import Transport, run_lockstep, transport_for
 from .compressors import make
 from .compressors.base import Compressor, TensorContext
@@ -47,12 +47,19 @@ class GradzipState:
 
     ``group``: the process group to exchange over (None: the default group, or world size 1 when
     torch.distributed is not initialised).  ``seed``: base seed of every private RNG; it must be equal
-    on all ranks.
+    on all ranks.  ``feedback``: the error-feedback scheme, a name or a :class:`gradzip.feedback.Feedback`
+    (e.g. ``MomentumCorrection(0.9, nesterov=True)``), overriding the compressor's; it must be one of the
+    compressor's ``feedbacks``.
     """
 
     def __init__(self, compressor: Compressor | str, *, group: Optional[dist.ProcessGroup] = None,
-                 seed: int = 0, transport: Optional[Transport] = None, **params):
-        self.compressor = make(compressor, **params)
+                 seed: int = 0, transport: Optional[Transport] = None, feedback=None, **params):
+        if feedback is None:
+            self.compressor = make(compressor, **params)
+        elif isinstance(feedback, str) and not isinstance(compressor, Compressor):
+            self.compressor = make(compressor, feedback=feedback, **params)
+        else:
+            self.compressor = _feedback.with_feedback(make(compressor, **params), feedback)
         self.seed = int(seed)
         self.epoch: Optional[int] = None  # None until set_epoch is called
         self.tensors: dict[str, dict[str, torch.Tensor]] = {}
@@ -141,7 +148,7 @@ class GradzipState:
         if nonfinite:
             # Keep the protocol identical on every rank: compress zeros, discard the result below.
             grads = [torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0) for g in grads]
-        gens = [feedback.exchange(self.compressor, g, ctx) for g, ctx in zip(grads, contexts)]
+        gens = [_feedback.exchange(self.compressor, g, ctx) for g, ctx in zip(grads, contexts)]
         results, report = run_lockstep(gens, self.transport, nonfinite)
         if not report.nonfinite:
             outputs = [r.aggregate.reshape(g.shape).to(g.dtype) for r, g in zip(results, grads)]
@@ -162,9 +169,11 @@ class GradzipState:
         state but the step counters (warm-up steps, tensors the method leaves alone, ``auto`` having
         chosen dense).  An integration may then use a plain allreduce, which skips the fusion copies,
         and call :meth:`record_dense`; the result is the same average."""
-        if self.compressor.feedback == "momentum":  # momentum accumulates even where nothing is compressed
+        scheme = _feedback.scheme_of(self.compressor)
+        if isinstance(scheme, _feedback.MomentumCorrection):  # momentum accumulates even where nothing is compressed
             return False
-        return all(not self.compressor.compresses(self.context(key, g)) and "residual" not in self.tensors.get(key, {})
+        return all(not self.compressor.compresses(self.context(key, g))
+                   and not any(k in self.tensors.get(key, {}) for k in scheme.state_keys)
                    for key, g in named_grads)
 
     def record_dense(self, named_grads: Sequence[tuple[str, torch.Tensor]]) -> None:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import inspect
 import pickle
 import warnings
 from typing import Callable, Union
@@ -180,16 +179,8 @@ def _close(a, b, scale):
 
 
 def _with_feedback(c: Compressor, scheme: str) -> Compressor:
-    """The same compressor with feedback ``scheme``: rebuilt from its constructor parameters (a method may
-    build parts from its feedback, as auto does), else a copy with ``feedback`` set."""
-    sig = inspect.signature(type(c).__init__).parameters
-    if "feedback" in sig:
-        kwargs = {k: v for k, v in c.params().items() if k in sig}
-        kwargs["feedback"] = scheme
-        return type(c)(**kwargs)
-    c = copy.deepcopy(c)
-    c.feedback = scheme
-    return c
+    """The same compressor with feedback ``scheme`` (:func:`gradzip.feedback.with_feedback`)."""
+    return feedback.with_feedback(c, scheme)
 
 
 @_guarded("error feedback")

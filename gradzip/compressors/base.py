@@ -220,6 +220,11 @@ class Compressor:
         optimizer must then add none of its own, and the integrations make that a checked error."""
         return self.feedback == "momentum"
 
+    def feedback_params(self) -> dict:
+        """Parameters of this method's error-feedback scheme (feedback.py builds the scheme object from
+        ``feedback`` and these; DGC and CSC give their momentum correction's)."""
+        return {}
+
     def compresses(self, ctx: TensorContext) -> bool:
         """Whether this tensor is compressed at all; if not it is averaged densely in fp32."""
         return True

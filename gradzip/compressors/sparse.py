@@ -112,7 +112,7 @@ def _check_int(name: str, value, low: int) -> int:
 
 
 def _momentum_params(momentum, nesterov, clip_norm) -> tuple:
-    """Validate the parameters feedback.py's momentum correction reads (DGC Sec. 3.2-3.3)."""
+    """Validate the parameters of feedback.py's MomentumCorrection (DGC Sec. 3.2-3.3)."""
     momentum = _check_number("momentum", momentum, lambda m: 0 <= m < 1, "a number with 0 <= momentum < 1")
     if not isinstance(nesterov, bool):
         raise ValueError(f"nesterov must be True or False, got {nesterov!r}")
@@ -382,6 +382,10 @@ class DGC(Sparsifier):
         self.sample_ratio = check_ratio("sample_ratio", sample_ratio, allow_zero=False)
         self.min_numel = _check_int("min_numel", min_numel, 0)
 
+    def feedback_params(self):
+        """The parameters of the momentum correction (feedback.MomentumCorrection) this method builds."""
+        return {"momentum": self.momentum, "nesterov": self.nesterov, "clip_norm": self.clip_norm}
+
     def density(self, epoch: int) -> float:
         """Fraction of elements sent in ``epoch``: the paper's exponential warm-up (Sec. 3.4), density
         25%, 6.25%, 1.5625%, 0.39% (4x sparser each epoch, never below ``ratio``), then ``ratio``."""
@@ -454,6 +458,10 @@ class CSC(SharedSparsifier):
         self.ratio = check_ratio("ratio", ratio, allow_zero=False)
         self.chunk_size = _check_int("chunk_size", chunk_size, 1)
         self.momentum, self.nesterov, self.clip_norm = _momentum_params(momentum, nesterov, clip_norm)
+
+    def feedback_params(self):
+        """The parameters of the momentum correction (feedback.MomentumCorrection) this method builds."""
+        return {"momentum": self.momentum, "nesterov": self.nesterov, "clip_norm": self.clip_norm}
 
     def exchange(self, x, ctx):
         flat = x.reshape(-1).float()
