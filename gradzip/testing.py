@@ -178,16 +178,11 @@ def _close(a, b, scale):
     return torch.allclose(a, b, rtol=0, atol=4 * torch.finfo(torch.float32).eps * float(scale) + 1e-12)
 
 
-def _with_feedback(c: Compressor, scheme: str) -> Compressor:
-    """The same compressor with feedback ``scheme`` (:func:`gradzip.feedback.with_feedback`)."""
-    return feedback.with_feedback(c, scheme)
-
-
 @_guarded("error feedback")
 def check_error_feedback(factory, c, steps=6):
     """sent + kept == compensated input under every scheme in ``feedbacks`` (world size 1)."""
     for scheme in c.feedbacks:
-        state = GradzipState(_with_feedback(_fresh(factory), scheme))
+        state = GradzipState(_fresh(factory), feedback=scheme)
         cs = state.compressor
         for step in range(steps):
             named = [(f"t{i}", grads(shape, torch.float32, 100 * step + i)) for i, shape in enumerate(SHAPES)]

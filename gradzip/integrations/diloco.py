@@ -166,7 +166,7 @@ class DiLoCo:
         t, h = self.inner_steps, self.sync_every
         due = tuple(f for f, offset in enumerate(self.offsets) if (t - offset) % h == 0)
         if due:
-            named = [pair for f in due for pair in self.fragments[f]]
+            named = self._tensors(due)
             deltas = [(name, self.theta[name] - p.float()) for name, p in named]
             if self.overlap:
                 names = [name for name, _ in named]
@@ -177,6 +177,10 @@ class DiLoCo:
             for f in due:
                 self.fragment_syncs[f] += 1
         return due
+
+    def _tensors(self, fragments) -> list:
+        """(name, parameter) of every tensor of these fragments, in order."""
+        return [pair for f in fragments for pair in self.fragments[f]]
 
     def _exchange(self, deltas: list, step: int) -> bool:
         """Exchange the pseudo-gradients and take the outer step; returns whether it was skipped."""
@@ -232,7 +236,7 @@ class DiLoCo:
         if skipped is not None:
             due, _, _ = self._pending
             self._pending = None
-            self._load([pair for f in due for pair in self.fragments[f]], skipped, self.merge_alpha)
+            self._load(self._tensors(due), skipped, self.merge_alpha)
 
     @torch.no_grad()
     def wait(self) -> None:
