@@ -115,7 +115,7 @@ def _breakdown(steps: int = 100) -> None:
             grads = timed("bucket.gradients()", bucket.gradients)
             named = timed("names", lambda: [(state.param_names[p], g) for p, g in zip(bucket.parameters(), grads)])
             buffer = bucket.buffer()
-            assert timed("state.sends_dense()", lambda: state.sends_dense(named)), "not a dense bucket"
+            assert timed("state.plain_allreduce_dtype()", lambda: state.plain_allreduce_dtype(named)) == buffer.dtype, "not a dense bucket"
             timed("state.record_dense()", lambda: state.record_dense(named))
             timed("divide", lambda: buffer.div_(dist.get_world_size(state.dense_group)))
             fut = timed("allreduce call (world size 1)",

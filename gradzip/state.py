@@ -77,7 +77,8 @@ class GradzipState:
         self._periods: dict[str, tuple] = {}
         self._streams: dict = {}  # the communication thread's CUDA stream per device
         #: The DDP hook's names of parameters (``register`` gives the model's; else learned on first use)
-        #: and the group on which it may allreduce dense buckets itself (``register`` only).
+        #: and the group on which it may allreduce itself the buckets :meth:`plain_allreduce_dtype` allows
+        #: (``register``: DDP's; else the default group when this state averages over it).
         self.param_names: Optional[dict] = None
         self.dense_group: Optional[dist.ProcessGroup] = None
         _LIVE.add(self)
@@ -103,6 +104,10 @@ class GradzipState:
             # A process group of gradzip's own (same ranks and backend as the default group): its
             # collectives, issued from the communication thread, never interleave with the script's.
             group = self._own_group = dist.new_group(timeout=_default_group_timeout())
+            if self.dense_group is None:
+                # The default group is the one this state averages over, so a DDP hook handed this state
+                # directly (Lightning) may run plain allreduces there; ``register`` gives DDP's own.
+                self.dense_group = dist.group.WORLD
         self._transport = transport_for(group)
 
     @property
@@ -164,29 +169,41 @@ class GradzipState:
         self._count(report, grads, results)
         return outputs
 
-    def sends_dense(self, named_grads: Sequence[tuple[str, torch.Tensor]]) -> bool:
-        """Whether this exchange would average every tensor densely in its own dtype and change no
-        state but the step counters (warm-up steps, tensors the method leaves alone, ``auto`` having
-        chosen dense).  An integration may then use a plain allreduce, which skips the fusion copies,
-        and call :meth:`record_dense`; the result is the same average."""
+    def plain_allreduce_dtype(self, named_grads: Sequence[tuple[str, torch.Tensor]]) -> Optional[torch.dtype]:
+        """The dtype in which one plain allreduce of every gradient / N gives exactly this exchange's
+        averages while changing no state but the step counters; None when there is none.
+
+        That holds for dense steps (warm-up, tensors the method leaves alone, ``auto`` having chosen
+        dense: the gradients' own dtype) and for fp16 and bf16 without error feedback (the half dtype).
+        An integration may then run that allreduce on its framework's C++ path, without gradzip's
+        thread and fusion copies, and call :meth:`record_dense`.  The one difference: a non-finite input
+        stays non-finite where it was instead of making the whole aggregate NaN (still the same on every
+        rank, so ``GradScaler`` skips the step everywhere), and it is not counted in ``stats()``.
+        """
         scheme = _feedback.scheme_of(self.compressor)
         if isinstance(scheme, _feedback.MomentumCorrection):  # momentum accumulates even where nothing is compressed
-            return False
-        return all(not self.compressor.compresses(self.context(key, g))
-                   and not any(k in self.tensors.get(key, {}) for k in scheme.state_keys)
-                   for key, g in named_grads)
+            return None
+        wire = set()
+        for key, g in named_grads:
+            ctx = self.context(key, g)
+            if scheme.state_keys and (self.compressor.compresses(ctx) or any(k in ctx.state for k in scheme.state_keys)):
+                return None  # a residual is kept, or one left from earlier steps must be sent
+            wire.add(self.compressor.allreduce_dtype(ctx))
+        return wire.pop() if len(wire) == 1 and None not in wire else None
 
-    def record_dense(self, named_grads: Sequence[tuple[str, torch.Tensor]]) -> None:
-        """Count an exchange that :meth:`sends_dense` allowed and the integration did itself."""
+    def record_dense(self, named_grads: Sequence[tuple[str, torch.Tensor]], dtype: Optional[torch.dtype] = None) -> None:
+        """Count an exchange that :meth:`plain_allreduce_dtype` allowed and the integration did itself,
+        in ``dtype`` (default: the gradients' own)."""
         self._clock(key for key, _ in named_grads)
-        nbytes = sum(g.numel() * g.element_size() for _, g in named_grads)
         elements = sum(g.numel() for _, g in named_grads)
         t = self.totals
         t["exchanges"] += 1
         t["collectives"] += 1
         t["plain_allreduces"] += 1
-        for counter in ("payload_bytes", "wire_bytes", "dense_bytes"):
-            t[counter] += nbytes
+        sent = elements * dtype.itemsize if dtype is not None else sum(g.numel() * g.element_size() for _, g in named_grads)
+        t["payload_bytes"] += sent
+        t["wire_bytes"] += sent
+        t["dense_bytes"] += sum(g.numel() * g.element_size() for _, g in named_grads)
         t["elements"] += elements
         t["elements_sent"] += elements
         for key, _ in named_grads:

@@ -53,7 +53,7 @@ def test_latency_bound_link_stays_dense_and_leaves_the_bucket_to_a_plain_allredu
         assert "residual" not in state.tensors["w"]  # dropped when the decision sent it densely
         named = [("w", torch.zeros(512, 512)), ("b", torch.zeros(512))]
         assert not state.compressor.compresses(state.context("w", named[0][1]))
-        assert state.sends_dense(named)
+        assert state.plain_allreduce_dtype(named) == torch.float32
 
 
 def _agree(per_rank_state, position, candidates=("none", "fp16"), trials=2, periods=(), **params):

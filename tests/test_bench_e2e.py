@@ -129,3 +129,21 @@ def test_a_crash_in_any_repeat_is_reported_as_a_crash():
 def test_repeats_must_be_a_positive_integer():
     with pytest.raises(ValueError, match="repeats must be an integer >= 1, got 0"):
         e2e.run(links=["unthrottled"], repeats=0)
+
+
+def test_targets_against_pytorchs_hooks():
+    rows = [e2e.Result("rate=1gbit", "dense allreduce", 10.0, 0.1, 0.80),
+            e2e.Result("rate=1gbit", "torch fp16 hook", 8.0, 0.08, 0.80),
+            e2e.Result("rate=1gbit", "torch bf16 hook", 8.0, 0.08, 0.80),
+            e2e.Result("rate=1gbit", "no communication (limit)", 5.0, 0.05, 0.75),
+            e2e.Result("rate=1gbit", "gradzip fp16", 7.6, 0.076, 0.80),
+            e2e.Result("rate=1gbit", "gradzip bf16", 8.4, 0.084, 0.80),
+            e2e.Result("rate=1gbit", "gradzip topk 1%", 6.0, 0.06, 0.78),
+            e2e.Result("rate=1gbit", "gradzip auto", 8.4, 0.084, 0.80)]
+    lines = "\n".join(e2e.targets(rows))
+    assert "gradzip fp16 0.950x torch's fp16 hook (at most 1.0x: met)" in lines
+    assert "gradzip bf16 1.050x torch's bf16 hook (at most 1.0x: NOT met)" in lines
+    assert ("fastest gradzip method (gradzip topk 1%) 0.75x torch fp16 hook (0.8x: met), 1.20x the limit "
+            "(1.2x: met)") in lines
+    assert "auto 1.05x torch fp16 hook (0.8x: NOT met), 1.68x the limit (1.2x: NOT met)" in lines
+    assert "auto 1.050x the faster of dense and torch fp16 (torch fp16 hook) (at most 1.03x: NOT met)" in lines

@@ -216,6 +216,6 @@ def test_world_of_one_fused_results_are_views_that_do_not_overlap():
 def test_none_is_left_to_the_integrations_dense_path_and_keeps_no_state():
     state = gradzip.GradzipState("none", feedback="residual")
     named = [("w", randn(5, 4, seed=0))]
-    assert state.sends_dense(named)  # the DDP hook then uses DDP's own allreduce
+    assert state.plain_allreduce_dtype(named) == torch.float32  # the DDP hook then uses DDP's own allreduce
     (out,) = state.exchange(named)
     assert torch.equal(out, named[0][1]) and "residual" not in state.tensors.get("w", {})

@@ -30,9 +30,11 @@ LINKS = ("rate=100mbit", "rate=1gbit", "rate=10gbit", "unthrottled")
 CONTENDERS = [
     ("dense allreduce", "allreduce", "none", {}),
     ("torch fp16 hook", "torch-fp16", "none", {}),
+    ("torch bf16 hook", "torch-bf16", "none", {}),
     ("torch PowerSGD hook", "torch-powersgd", "none", {}),
     ("no communication (limit)", "nocomm", "none", {}),
     ("gradzip fp16", None, "fp16", {}),
+    ("gradzip bf16", None, "bf16", {}),
     ("gradzip powersgd r2", None, "powersgd", {"rank": 2, "dense_steps": 10}),
     ("gradzip dgc 0.1%", None, "dgc", {"ratio": 0.001, "warmup_epochs": 0}),
     ("gradzip topk 1%", None, "topk", {"ratio": 0.01}),
@@ -225,6 +227,7 @@ def targets(results: list[Result]) -> list[str]:
             if link == "unthrottled":
                 text += f" (at most 1.03x dense: {_ok(ratio(auto, dense) <= 1.03)})"
         lines.append(text)
+        lines += _hook_targets(results, by, link, ours, dense, limit)
         if outer:
             fastest = min(outer, key=lambda r: r.epoch_s)
             lines.append(f"- {link}, outer loop (not counted above): fastest {fastest.label}, "
@@ -233,6 +236,35 @@ def targets(results: list[Result]) -> list[str]:
     crashed = sorted({r.label for r in results if r.error and r.label.startswith("gradzip")})
     lines.append(f"- every gradzip method completed on every link: {_ok(not crashed)}"
                  + (f" ({', '.join(crashed)} did not)" if crashed else ""))
+    return lines
+
+
+def _hook_targets(results, by, link, ours, dense, limit) -> list[str]:
+    """Against PyTorch's own hooks (epoch times, ratios within a repeat): gradzip's fp16 and bf16 at most
+    1.0x the matching hook's; at 1 Gbit/s the fastest gradzip method and auto at most 0.8x the fp16 hook
+    and 1.2x the no-communication limit; auto at most 1.03x the faster of dense and the fp16 hook."""
+    def ratio(numerator, denominator):
+        return statistics.median(_ratios(results, link, numerator.label, denominator.label))
+
+    lines = []
+    for half in ("fp16", "bf16"):
+        ours_half, hook = by.get((link, f"gradzip {half}")), by.get((link, f"torch {half} hook"))
+        if ours_half and hook:
+            r = ratio(ours_half, hook)
+            lines.append(f"- {link}: gradzip {half} {r:.3f}x torch's {half} hook (at most 1.0x: {_ok(r <= 1.0)})")
+    fp16, auto = by.get((link, "torch fp16 hook")), by.get((link, "gradzip auto"))
+    if fp16 and limit and link == "rate=1gbit":
+        best = min(ours, key=lambda r: r.epoch_s)
+        for label, r in ((f"fastest gradzip method ({best.label})", best), ("auto", auto)):
+            if r:
+                to_hook, to_limit = ratio(r, fp16), ratio(r, limit)
+                lines.append(f"- {link}: {label} {to_hook:.2f}x torch fp16 hook (0.8x: {_ok(to_hook <= 0.8)}), "
+                             f"{to_limit:.2f}x the limit (1.2x: {_ok(to_limit <= 1.2)})")
+    if auto and fp16:
+        faster = min((dense, fp16), key=lambda r: r.epoch_s)
+        r = ratio(auto, faster)
+        lines.append(f"- {link}: auto {r:.3f}x the faster of dense and torch fp16 ({faster.label}) "
+                     f"(at most 1.03x: {_ok(r <= 1.03)})")
     return lines
 
 

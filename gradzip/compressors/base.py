@@ -229,6 +229,12 @@ class Compressor:
         """Whether this tensor is compressed at all; if not it is averaged densely in fp32."""
         return True
 
+    def allreduce_dtype(self, ctx: TensorContext) -> Optional[torch.dtype]:
+        """The dtype in which one plain allreduce of x / N gives exactly this method's average of this
+        tensor (None: only :meth:`exchange` does).  Integrations then use their framework's own C++
+        collective instead of gradzip's thread; asked only when error feedback keeps nothing."""
+        return None if self.compresses(ctx) else ctx.dtype
+
     def exchange(self, x: torch.Tensor, ctx: TensorContext) -> Exchange:
         raise NotImplementedError
 

@@ -40,7 +40,7 @@ from .models import build_model
 
 __all__ = ["TrainConfig", "launch", "run_dir", "parse_outer", "BASELINES", "OUTER_OPTIONS"]
 
-BASELINES = ("allreduce", "torch-fp16", "torch-powersgd", "nocomm")
+BASELINES = ("allreduce", "torch-fp16", "torch-bf16", "torch-powersgd", "nocomm")
 OPTIMIZERS = ("sgd", "adamw")
 
 
@@ -82,7 +82,8 @@ class TrainConfig:
     # trains its replica with the optimizer above, and every sync_every steps the compressor sends the
     # pseudo-gradient.
     outer: Optional[str] = None
-    # Instead of gradzip, a reference DDP hook: "allreduce" (DDP's own), "torch-fp16" and "torch-powersgd"
+    # Instead of gradzip, a reference DDP hook: "allreduce" (DDP's own), "torch-fp16", "torch-bf16" and
+    # "torch-powersgd"
     # (PyTorch's ddp_comm_hooks), or "nocomm" (no exchange at all: the compute-only limit).
     baseline: Optional[str] = None
     workers: int = 2
@@ -375,6 +376,8 @@ def _register_baseline(net, baseline: str) -> None:
 
     if baseline == "torch-fp16":
         net.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif baseline == "torch-bf16":
+        net.register_comm_hook(None, default_hooks.bf16_compress_hook)
     elif baseline == "torch-powersgd":
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=2,
                                             start_powerSGD_iter=10)

@@ -76,17 +76,15 @@ def ddp_comm_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures
     """DDP communication hook: ``ddp_model.register_comm_hook(gradzip.GradzipState(...), gradzip.ddp_comm_hook)``."""
     if not isinstance(state, GradzipState):
         raise TypeError(f"gradzip.ddp_comm_hook needs a gradzip.GradzipState as its state, got {type(state).__name__}")
+    state.transport  # connect now (a state built before init_process_group): its dense group is then known
     grads = bucket.gradients()
     named = list(zip(_names(state, bucket.parameters()), grads))
     buffer = bucket.buffer()
     dense_group = state.dense_group
-    if dense_group is not None and state.sends_dense(named):
-        state.record_dense(named)
-        # Divided before the allreduce, here, rather than in the callback on gloo's thread, which must
-        # take the GIL for it: about 1% of an unthrottled step (benchmarks/hook_overhead.py).
-        buffer.div_(dist.get_world_size(dense_group))
-        fut = dist.all_reduce(buffer, group=dense_group, async_op=True).get_future()
-        return fut.then(lambda f: f.value()[0])
+    wire = state.plain_allreduce_dtype(named) if dense_group is not None else None
+    if wire is not None:
+        state.record_dense(named, wire)
+        return _plain_allreduce(buffer, wire, dense_group)
 
     def write_back(aggregates):
         for g, aggregate in zip(grads, aggregates):  # grads are views into the bucket's buffer
@@ -94,3 +92,19 @@ def ddp_comm_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures
         return buffer
 
     return state.submit(named, write_back)
+
+
+def _plain_allreduce(buffer: torch.Tensor, wire: torch.dtype, group) -> torch.futures.Future[torch.Tensor]:
+    """Average ``buffer`` with one allreduce in ``wire`` dtype on DDP's C++ path, as PyTorch's own hooks
+    do: no hop through gradzip's thread.  Divided before the allreduce, here, rather than in the
+    callback on gloo's thread, which must take the GIL for it (about 1% of an unthrottled step:
+    benchmarks/hook_overhead.py); a 16-bit sum of x / N cannot overflow where the mean does not."""
+    n = dist.get_world_size(group)
+    if wire == buffer.dtype:
+        buffer.div_(n)
+        fut = dist.all_reduce(buffer, group=group, async_op=True).get_future()
+        return fut.then(lambda f: f.value()[0])
+    # One pass: divided in fp32 and rounded once to the wire type, as gradzip's own fp16 and bf16 do.
+    sent = torch.div(buffer, n, out=torch.empty(buffer.shape, dtype=wire, device=buffer.device))
+    fut = dist.all_reduce(sent, group=group, async_op=True).get_future()
+    return fut.then(lambda f: buffer.copy_(f.value()[0]))

@@ -1,0 +1,112 @@
+"""fp16, bf16 and dense buckets take DDP's own C++ allreduce path, with gradzip's numerics.
+
+Real 2-process gloo DDP jobs: the plain path must give the same parameters, bit for bit, as gradzip's
+own exchange on its communication thread, count the same bytes, and leave non-finite steps identical
+on every rank.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import gradzip
+from tests.distributed import run_workers
+from tests.workers import _flat, batch, small_model
+
+
+def _train(rank, method, *, plain: bool, direct: bool = False, steps: int = 5, poison=None, **params):
+    """Train the small model; ``plain=False`` forces gradzip's own exchange for every bucket.
+    ``direct``: the state is handed to DDP as a (state, hook) pair, as Lightning does.  ``poison``:
+    (rank, step) whose first gradient gets a NaN.  Returns parameters, stats, and every step's
+    gradients after the exchange."""
+    model = small_model()
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.004)
+    if direct:
+        state = gradzip.GradzipState(method, **params)
+        ddp.register_comm_hook(state, gradzip.ddp_comm_hook)
+    else:
+        state = gradzip.register(ddp, method, **params)
+    if not plain:
+        state.dense_group = None  # the hook then submits every bucket to gradzip's thread
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    grads = []
+    for step in range(steps):
+        x, y = batch(rank, step)
+        if poison == (rank, step):
+            x = x.clone()
+            x[0, 0] = float("nan")
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+        if torch.isfinite(grads[-1]).all():  # as GradScaler would: skip a non-finite step
+            opt.step()
+    stats = state.stats()
+    state.close()
+    return _flat(model), stats, grads
+
+
+def compare_paths(rank, world, method, params):
+    plain = _train(rank, method, plain=True, **params)
+    own = _train(rank, method, plain=False, **params)
+    direct = _train(rank, method, plain=True, direct=True, **params)
+    return plain, own, direct
+
+
+@pytest.mark.parametrize("method", ["fp16", "bf16", "none"])
+def test_plain_path_equals_gradzips_exchange_bit_for_bit(method):
+    results = run_workers(compare_paths, 2, method, {})
+    for plain, own, direct in results:
+        assert torch.equal(plain[0], own[0]) and torch.equal(direct[0], own[0])
+        assert plain[1]["exchanges"] == own[1]["exchanges"] > 0
+        assert plain[1]["plain_allreduces"] == plain[1]["exchanges"]  # every bucket took DDP's path
+        assert direct[1]["plain_allreduces"] == direct[1]["exchanges"]  # also without register()
+        assert own[1]["plain_allreduces"] == 0
+        # The same payload counted either way, 2 bytes per element for the half types; gradzip's own
+        # exchange adds its non-finite flag to the wire.
+        for key in ("payload_bytes", "dense_bytes", "elements_sent"):
+            assert plain[1][key] == own[1][key], key
+        assert plain[1]["wire_bytes"] == plain[1]["payload_bytes"] < own[1]["wire_bytes"]
+        if method != "none":
+            assert 2 * plain[1]["wire_bytes"] == plain[1]["dense_bytes"]
+    assert torch.equal(results[0][0][0], results[1][0][0])  # ranks agree
+
+
+def test_half_casts_with_error_feedback_keep_gradzips_exchange():
+    results = run_workers(compare_paths, 2, "fp16", {"feedback": "residual"})
+    for plain, own, direct in results:
+        assert plain[1]["plain_allreduces"] == direct[1]["plain_allreduces"] == 0  # a residual is kept
+        assert torch.equal(plain[0], own[0])
+
+
+def nonfinite_step(rank, world):
+    return _train(rank, "fp16", plain=True, poison=(1, 2))
+
+
+def test_a_nonfinite_input_gives_every_rank_the_same_nonfinite_gradients():
+    results = run_workers(nonfinite_step, 2)
+    (p0, s0, g0), (p1, s1, g1) = results
+    assert s0["plain_allreduces"] == s0["exchanges"]
+    for step, (a, b) in enumerate(zip(g0, g1)):
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))
+        assert bool(torch.isfinite(a).all()) == (step != 2)  # only the poisoned step, on both ranks
+    assert torch.equal(p0, p1)  # both skipped the same step
+
+
+def test_plain_allreduce_dtype_rules():
+    # The rule itself (the hook uses it only where it has a group to allreduce on).
+    g = torch.randn(6, 4)
+    for method, feedback, expected in [("fp16", None, torch.float16), ("bf16", None, torch.bfloat16),
+                                       ("none", None, torch.float32), ("fp16", "residual", None),
+                                       ("topk", None, None), ("qsgd", None, None)]:
+        state = gradzip.GradzipState(method, feedback=feedback)
+        assert state.plain_allreduce_dtype([("w", g), ("b", g[0])]) == expected, (method, feedback)
+    # DGC's momentum correction accumulates even on dense warm-up steps.
+    assert gradzip.GradzipState("dgc").plain_allreduce_dtype([("w", g)]) is None
+
+
+def test_no_plain_path_without_torch_distributed():
+    assert not dist.is_initialized()
+    state = gradzip.GradzipState("fp16")
+    assert state.dense_group is None
