@@ -76,6 +76,8 @@ class GradzipState:
         self._starts: dict[str, float] = {}  # clock of each tensor's latest exchange start (not saved)
         self._periods: dict[str, tuple] = {}
         self._streams: dict = {}  # the communication thread's CUDA stream per device
+        self._buckets: dict[tuple, dict] = {}  # per-bucket time split (bucket_stats; not saved)
+        self._buckets_lock = threading.Lock()
         #: The DDP hook's names of parameters (``register`` gives the model's; else learned on first use)
         #: and the group on which it may allreduce itself the buckets :meth:`plain_allreduce_dtype` allows
         #: (``register``: DDP's; else the default group when this state averages over it).
@@ -258,7 +260,7 @@ class GradzipState:
                 self._worker = threading.Thread(target=self._serve, args=(torch.get_num_threads(),),
                                                 name="gradzip-comm", daemon=True)
                 self._worker.start()
-            self._jobs.put((list(named_grads), done, fut, device, ready))
+            self._jobs.put((list(named_grads), done, fut, device, ready, time.perf_counter()))
         return fut
 
     def _serve(self, num_threads: int) -> None:
@@ -269,13 +271,19 @@ class GradzipState:
             job = self._jobs.get()
             if job is None:
                 return
-            named, done, fut, device, ready = job
+            named, done, fut, device, ready, submitted = job
+            aggregates = None
             try:
                 with self._stream_for(device, ready):
-                    fut.set_result(done(self.exchange(named)))
+                    started = time.perf_counter()
+                    aggregates = self.exchange(named)
+                    report = self.last_report
+                    self.record_bucket(named, exchanges=1, queued_s=started - submitted, compress_s=report.compress_s,
+                                       communicate_s=report.communicate_s, decompress_s=report.decompress_s)
+                    fut.set_result(done(aggregates))
             except BaseException as exc:  # handed to the waiting training loop
                 fut.set_exception(exc)
-            del job, named, done, fut, ready  # hold no tensor while waiting for the next job
+            del job, named, done, fut, ready, aggregates  # hold no tensor while waiting for the next job
 
     def _stream_for(self, device, ready):
         """The communication thread's own CUDA stream for ``device``, after ``ready`` (CPU: nothing)."""
@@ -330,6 +338,30 @@ class GradzipState:
         self.close()
 
     # -- reporting and checkpoints -------------------------------------------------------------------
+    def record_bucket(self, named_grads: Sequence[tuple[str, torch.Tensor]], **counts: float) -> None:
+        """Add counts (``exchanges``, ``plain``, ``hook_s``, ``queued_s``, ``compress_s``, ...) to this
+        bucket's line of :meth:`bucket_stats`."""
+        keys = tuple(key for key, _ in named_grads)
+        with self._buckets_lock:  # the hook (backward's thread) and gradzip's thread both write here
+            record = self._buckets.get(keys)
+            if record is None:
+                record = self._buckets[keys] = {
+                    "bucket": f"{keys[0]} .. {keys[-1]}" if len(keys) > 1 else keys[0], "tensors": len(keys),
+                    "elements": sum(g.numel() for _, g in named_grads), "exchanges": 0, "plain": 0,
+                    **dict.fromkeys(("hook_s", "queued_s", "compress_s", "communicate_s", "decompress_s"), 0.0)}
+            for name, value in counts.items():
+                record[name] += value
+
+    def bucket_stats(self) -> list[dict]:
+        """Where each bucket's exchanges spent their time on this rank, in the order buckets first came:
+        ``hook_s`` (the integration's hook, on backward's own thread: what backward waited for),
+        ``queued_s`` (from submission until gradzip's thread started it: buckets ahead of it),
+        ``compress_s``, ``communicate_s``, ``decompress_s`` (ExchangeReport's split on the thread),
+        each summed over ``exchanges``; ``plain``: how many took the plain allreduce (its collective
+        then runs in the framework, untimed).  Not saved in :meth:`state_dict`."""
+        with self._buckets_lock:
+            return [dict(r) for r in self._buckets.values()]
+
     def stats(self) -> dict:
         """Cumulative counters of this worker: bytes it handed to collectives (``bytes_sent``), the dense
         fp32/fp16 equivalent, the achieved ratio, collectives issued and the time split."""

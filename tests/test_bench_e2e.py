@@ -20,6 +20,13 @@ def test_tiny_unthrottled_run_reports_every_contender(tmp_path):
     text = e2e.table(results, 6, 2)
     assert "| gradzip topk 1% |" in text and "gradzip auto chose:" in text
     assert "every gradzip method completed on every link: met" in text
+    # Where each bucket's time went: Top-k's buckets on gradzip's thread, every exchange of them counted
+    # (DDP rebuilds its buckets after the first step, so that step's bucket has a line of its own).
+    assert results[0].buckets is None and results[1].buckets
+    for b in results[1].buckets:
+        assert b["plain"] == 0 and b["compress_s"] > 0 and b["hook_s"] > 0 and b["queued_s"] > 0
+    assert sum(b["elements"] * b["exchanges"] for b in results[1].buckets) == 6 * 1_199_882  # the CNN's parameters
+    assert text.count("| gradzip topk 1% | ") == 1 + len(results[1].buckets)
     e2e.save(results, str(tmp_path / "r.json"))
     assert e2e.load(str(tmp_path / "r.json")) == results
 

@@ -43,6 +43,7 @@ def _train(rank, method, *, plain: bool, direct: bool = False, steps: int = 5, p
         if torch.isfinite(grads[-1]).all():  # as GradScaler would: skip a non-finite step
             opt.step()
     stats = state.stats()
+    stats["buckets"] = state.bucket_stats()
     state.close()
     return _flat(model), stats, grads
 
@@ -63,6 +64,10 @@ def test_plain_path_equals_gradzips_exchange_bit_for_bit(method):
         assert plain[1]["plain_allreduces"] == plain[1]["exchanges"]  # every bucket took DDP's path
         assert direct[1]["plain_allreduces"] == direct[1]["exchanges"]  # also without register()
         assert own[1]["plain_allreduces"] == 0
+        # Per bucket: every exchange counted once, on the path it took.
+        for run, plain_share in ((plain, 1), (own, 0)):
+            assert sum(b["exchanges"] for b in run[1]["buckets"]) == run[1]["exchanges"]
+            assert all(b["plain"] == plain_share * b["exchanges"] and b["hook_s"] > 0 for b in run[1]["buckets"])
         # The same payload counted either way, 2 bytes per element for the half types; gradzip's own
         # exchange adds its non-finite flag to the wire.
         for key in ("payload_bytes", "dense_bytes", "elements_sent"):

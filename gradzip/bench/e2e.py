@@ -56,6 +56,7 @@ class Result:
     error: Optional[str] = None
     note: Optional[str] = None  # auto: which candidates it chose, over how many tensors
     repeat: int = 0
+    buckets: Optional[list] = None  # rank 0's GradzipState.bucket_stats() (gradzip contenders)
 
 
 def _choices_note(choices: dict) -> str:
@@ -103,7 +104,7 @@ def run(links=LINKS, workers: int = 4, steps: int = 300, batch_size: int = 32, l
             results.append(Result(link, label, epoch["train_s"], summary["mean_step_s"], epoch["test_accuracy"],
                                   summary["total_bytes_sent"] / 2**20 if baseline is None else None,
                                   note=_choices_note(summary["choices"]) if "choices" in summary else None,
-                                  repeat=repeat))
+                                  repeat=repeat, buckets=summary.get("buckets") if baseline is None else None))
             r = results[-1]
             if i == 0:
                 stall_s = max(60.0, 20.0 * r.step_s)
@@ -174,7 +175,28 @@ def table(results: list[Result], steps: int, workers: int) -> str:
                          f"{speed} | {vs_limit} |")
         lines.append("")
         lines += [f"{r.label} chose: {r.note}" for r in rows if r.note] + [""]
+        lines += bucket_table([r for r in results if r.link == link and r.repeat == 0])
     return "\n".join(lines + targets(results))
+
+
+def bucket_table(results: list[Result]) -> list[str]:
+    """Where each bucket's exchange spends its time, per gradzip contender (rank 0, first repeat), in ms
+    per exchange: the hook on backward's thread, the wait in gradzip's queue, and the thread's split."""
+    rows = [r for r in results if r.buckets]
+    if not rows:
+        return []
+    lines = ["Per bucket, ms per exchange on rank 0 (hook: on backward's thread; queued: waiting for gradzip's "
+             "thread; plain: share of exchanges on DDP's own allreduce, whose time is not split):", "",
+             "| method | bucket | elements | plain | hook | queued | compress | communicate | decompress |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for b in r.buckets:
+            n = max(b["exchanges"], 1)
+            ms = " | ".join(f"{1000 * b[k] / n:.2f}" for k in ("hook_s", "queued_s", "compress_s", "communicate_s",
+                                                                 "decompress_s"))
+            lines.append(f"| {r.label} | {b['bucket']} ({b['tensors']}) | {b['elements']:,} | "
+                         f"{b['plain'] / n:.0%} | {ms} |")
+    return lines + [""]
 
 
 def _ok(passed: bool) -> str:

@@ -14,6 +14,7 @@ buckets are issued in the same order on every rank — even for multi-phase meth
 whose chained future callbacks reorder them in PyTorch's hook.
 """
 
+import time
 from typing import Optional
 
 import torch
@@ -76,6 +77,7 @@ def ddp_comm_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures
     """DDP communication hook: ``ddp_model.register_comm_hook(gradzip.GradzipState(...), gradzip.ddp_comm_hook)``."""
     if not isinstance(state, GradzipState):
         raise TypeError(f"gradzip.ddp_comm_hook needs a gradzip.GradzipState as its state, got {type(state).__name__}")
+    start = time.perf_counter()
     state.transport  # connect now (a state built before init_process_group): its dense group is then known
     grads = bucket.gradients()
     named = list(zip(_names(state, bucket.parameters()), grads))
@@ -84,14 +86,18 @@ def ddp_comm_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures
     wire = state.plain_allreduce_dtype(named) if dense_group is not None else None
     if wire is not None:
         state.record_dense(named, wire)
-        return _plain_allreduce(buffer, wire, dense_group)
+        fut = _plain_allreduce(buffer, wire, dense_group)
+        state.record_bucket(named, exchanges=1, plain=1, hook_s=time.perf_counter() - start)
+        return fut
 
     def write_back(aggregates):
         for g, aggregate in zip(grads, aggregates):  # grads are views into the bucket's buffer
             g.copy_(aggregate)
         return buffer
 
-    return state.submit(named, write_back)
+    fut = state.submit(named, write_back)
+    state.record_bucket(named, hook_s=time.perf_counter() - start)  # the thread counts the exchange
+    return fut
 
 
 def _plain_allreduce(buffer: torch.Tensor, wire: torch.dtype, group) -> torch.futures.Future[torch.Tensor]:
