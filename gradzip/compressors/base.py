@@ -233,9 +233,10 @@ class Compressor:
         raise NotImplementedError
 
     def observe_step(self, keys: Sequence[str], now: float) -> None:
-        """Called by the state when these tensors' exchange starts (``now``: ``time.perf_counter()``),
-        whether the exchange runs through :meth:`exchange` or the integration sends them densely itself.
-        A method that measures whole training steps (auto) clocks them here; the others ignore it."""
+        """Called by ``GradzipState`` when these tensors' exchange starts (``now``: ``time.perf_counter()``),
+        whether the exchange runs through :meth:`exchange` or the integration sends them densely itself
+        (then on the DDP hook's thread, while other tensors' exchanges may run on the communication
+        thread).  A method that measures whole training steps (auto) clocks them here; the others ignore it."""
 
     def describe(self, tensors: dict) -> dict:
         """What the method decided during a run, for the run's summary (``tensors``: a state's per-tensor
