@@ -83,10 +83,9 @@ class Residual(Feedback):
         residual = ctx.get("residual")
         p = x if residual is None else x + residual
         result = yield from run(p, ctx)
-        # A tensor sent densely keeps no residual (it would be rounding noise at most).  Asking again
-        # after the exchange lets a method that decides within it (auto) drop the residual at once: it
-        # sent this step densely too.
-        keep = compressed and compressor.compresses(ctx)
+        # A tensor sent densely keeps no residual (it would be rounding noise at most), nor does one that
+        # the method settled within this exchange on sending densely from now on.
+        keep = compressed and not result.settled_dense
         ctx.set("residual", _minus_sent(p, result, own=residual is not None) if keep else None)
         return result
 

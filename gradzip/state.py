@@ -73,8 +73,6 @@ class GradzipState:
         self._jobs: "queue.Queue" = queue.Queue()
         self._lock = threading.Lock()
         self._closed = False
-        self._starts: dict[str, float] = {}  # clock of each tensor's latest exchange start (not saved)
-        self._periods: dict[str, tuple] = {}
         self._streams: dict = {}  # the communication thread's CUDA stream per device
         self._buckets: dict[tuple, dict] = {}  # per-bucket time split (bucket_stats; not saved)
         self._buckets_lock = threading.Lock()
@@ -124,20 +122,10 @@ class GradzipState:
         """Advance epoch-driven schedules (DGC's warm-up).  Call it with the same value on every rank."""
         self.epoch = int(epoch)
 
-    def context(self, key: str, grad: torch.Tensor, exchange: Optional[dict] = None) -> TensorContext:
+    def context(self, key: str, grad: torch.Tensor) -> TensorContext:
         return TensorContext(key=key, shape=grad.shape, dtype=grad.dtype, step=self.steps.get(key, 0),
                              epoch=self.epoch, rank=self.rank, world_size=self.world_size, seed=self.seed,
-                             state=self.tensors.get(key, {}), exchange={} if exchange is None else exchange,
-                             periods=self._periods.get(key, ()))
-
-    def _clock(self, keys) -> None:
-        """Note that these tensors' exchange starts now: the time since the last start is a step's."""
-        now = time.perf_counter()
-        for key in keys:
-            last = self._starts.get(key)
-            if last is not None:
-                self._periods[key] = (self._periods.get(key, ()) + (now - last,))[-4:]
-            self._starts[key] = now
+                             state=self.tensors.get(key, {}))
 
     def exchange(self, named_grads: Sequence[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
         """Compress, exchange and aggregate these gradients; returns one aggregate per input.
@@ -147,9 +135,8 @@ class GradzipState:
         gets all-NaN aggregates for this call and no state changes, so ``torch.amp.GradScaler`` (or any
         finiteness check) skips the step identically everywhere and the previous state is kept.
         """
-        self._clock(key for key, _ in named_grads)
-        shared: dict = {}
-        contexts = [self.context(key, g, shared) for key, g in named_grads]
+        self.compressor.observe_step([key for key, _ in named_grads], time.perf_counter())
+        contexts = [self.context(key, g) for key, g in named_grads]
         grads = [g for _, g in named_grads]
         nonfinite = _any_nonfinite(grads)
         if nonfinite:
@@ -195,8 +182,9 @@ class GradzipState:
 
     def record_dense(self, named_grads: Sequence[tuple[str, torch.Tensor]], dtype: Optional[torch.dtype] = None) -> None:
         """Count an exchange that :meth:`plain_allreduce_dtype` allowed and the integration did itself,
-        in ``dtype`` (default: the gradients' own)."""
-        self._clock(key for key, _ in named_grads)
+        in ``dtype`` (default: the gradients' own).  The compressor still observes the step: auto clocks
+        whole steps, dense ones included."""
+        self.compressor.observe_step([key for key, _ in named_grads], time.perf_counter())
         elements = sum(g.numel() for _, g in named_grads)
         t = self.totals
         t["exchanges"] += 1

@@ -1,13 +1,15 @@
 """``auto``: timed trials choose the fastest candidate per bucket, identically on every rank."""
 from __future__ import annotations
 
+import dataclasses
 
 import pytest
 import torch
 
 import gradzip
 from gradzip import feedback
-from gradzip.collectives import Transport, simulate
+from gradzip.collectives import simulate
+from gradzip.compressors.autoschedule import AutoState, ScheduleConfig
 from gradzip.compressors.base import TensorContext
 from tests import workers
 from tests.distributed import run_workers
@@ -58,25 +60,31 @@ def test_latency_bound_link_stays_dense_and_leaves_the_bucket_to_a_plain_allredu
 
 def _agree(per_rank_state, position, candidates=("none", "fp16"), trials=2, periods=(), **params):
     """Run one step of one tensor on two ranks, ``position`` steps after its exploration began, from
-    the given per-rank state; returns each rank's staged updates."""
-    compressor = gradzip.make("auto", candidates=list(candidates), warmup=0, trials=trials, **params)
-    gens, contexts = [], []
-    for rank, state in enumerate(per_rank_state):
-        state = {k: torch.tensor(v, dtype=torch.bool if k == "auto_active" else torch.float64)
-                 for k, v in state.items()}
-        ctx = TensorContext("w", torch.Size([8, 8]), torch.float32, step=20, rank=rank, world_size=2,
-                            state={**state, "auto_begin": torch.tensor(20 - position)}, periods=periods)
+    the given per-rank :class:`AutoState` fields and whole-step times ``periods`` (told to each rank's
+    auto as the starts of this tensor's exchanges); returns each rank's staged state."""
+    gens, contexts, blanks = [], [], []
+    for rank, fields in enumerate(per_rank_state):
+        compressor = gradzip.make("auto", candidates=list(candidates), warmup=0, trials=trials, **params)
+        for now in [sum(periods[:i]) for i in range(len(periods) + 1)]:
+            compressor.observe_step(["w"], 100.0 + now)
+        blank = AutoState.blank(ScheduleConfig(len(candidates), 0, trials, compressor.verify))
+        state = dataclasses.replace(blank, begin=20 - position, **{
+            k: v if isinstance(v, int) else torch.tensor(v, dtype=torch.bool if k == "active" else torch.float64)
+            for k, v in fields.items()})
+        saved = {k: v for k, v in state.saved(blank).items() if v is not None}
+        ctx = TensorContext("w", torch.Size([8, 8]), torch.float32, step=20, rank=rank, world_size=2, state=saved)
         gens.append([feedback.exchange(compressor, torch.randn(8, 8), ctx)])
         contexts.append(ctx)
+        blanks.append(blank)
     outs = simulate(gens)
     assert all(o[0].aggregate.shape == (8, 8) for o in outs)
-    return [ctx.updates for ctx in contexts]
+    return [AutoState.load(ctx.get, blank) for ctx, blank in zip(contexts, blanks)]
 
 
 def _plan(per_rank_times, candidates=("none", "fp16"), trials=2):
     """The plan each rank takes at the end of exploration from these measured times."""
-    updates = _agree([{"auto_times": t} for t in per_rank_times], trials * len(candidates), candidates, trials)
-    return [int(u["auto_choice"]) if "auto_choice" in u else int(u["auto_plan"]) for u in updates]
+    states = _agree([{"times": t} for t in per_rank_times], trials * len(candidates), candidates, trials)
+    return [s.choice if s.choice is not None else s.plan for s in states]
 
 
 def test_plan_takes_each_candidates_fastest_rank_and_agrees():
@@ -92,14 +100,14 @@ def test_plan_takes_each_candidates_fastest_rank_and_agrees():
 
 def test_a_compressing_plan_is_verified_and_a_dense_one_is_final():
     times = [[[1.0, 1.0], [0.3, 0.3]]] * 2
-    for updates in _agree([{"auto_times": times[0]}] * 2, 4):
-        assert int(updates["auto_plan"]) == 1 and "auto_choice" not in updates
-        assert updates["auto_steps"].shape == (2, 3) and not torch.isfinite(updates["auto_steps"]).any()
-        assert updates["auto_times"] is None  # exploration's records are dropped
+    for state in _agree([{"times": times[0]}] * 2, 4):
+        assert state.plan == 1 and state.choice is None
+        assert state.steps.shape == (2, 3) and not torch.isfinite(state.steps).any()
+        assert not torch.isfinite(state.times).any()  # exploration's records are dropped
     dense = [[[0.5, 0.5], [0.47, 0.47]]] * 2
-    assert all(int(u["auto_choice"]) == 0 and "auto_plan" not in u for u in _agree([{"auto_times": dense[0]}] * 2, 4))
+    assert all(s.choice == 0 and s.plan is None for s in _agree([{"times": dense[0]}] * 2, 4))
     # Without verification the plan is final at once.
-    assert all(int(u["auto_choice"]) == 1 for u in _agree([{"auto_times": times[0]}] * 2, 4, verify=0))
+    assert all(s.choice == 1 for s in _agree([{"times": times[0]}] * 2, 4, verify=0))
 
 
 def test_rounds_drop_slow_candidates_and_their_turns_run_the_cheapest():
@@ -107,39 +115,39 @@ def test_rounds_drop_slow_candidates_and_their_turns_run_the_cheapest():
     three = ("none", "fp16", "topk:ratio=0.01")
     # After round one of two: none 1.0 and fp16 0.9 are more than twice topk's 0.3: both leave the race.
     # This step is none's turn: topk stands in, untimed, so every bucket keeps one schedule.
-    early = _agree([{"auto_times": [[1.0, inf], [0.9, inf], [0.3, inf]]},
-                    {"auto_times": [[1.1, inf], [1.0, inf], [0.4, inf]]}], 3, three)
-    for updates in early:
-        assert updates["auto_active"].tolist() == [False, False, True] and "auto_choice" not in updates
-        assert "auto_times" not in updates
+    given = [[[1.0, inf], [0.9, inf], [0.3, inf]], [[1.1, inf], [1.0, inf], [0.4, inf]]]
+    early = _agree([{"times": t} for t in given], 3, three)
+    for state, times in zip(early, given):
+        assert state.active.tolist() == [False, False, True] and state.choice is None
+        assert state.times.tolist() == times
     # none 1.2 is dropped, fp16 0.6 and topk 0.5 race on.
-    race = _agree([{"auto_times": [[1.2, inf], [0.6, inf], [0.5, inf]]}] * 2, 3, three)
-    for updates in race:
-        assert updates["auto_active"].tolist() == [False, True, True]
+    race = _agree([{"times": [[1.2, inf], [0.6, inf], [0.5, inf]]}] * 2, 3, three)
+    for state in race:
+        assert state.active.tolist() == [False, True, True]
     # The next step is fp16's turn, and it is timed.
-    nxt = _agree([{"auto_times": [[1.2, inf], [0.6, inf], [0.5, inf]], "auto_active": [False, True, True],
-                   "auto_cost": [1.2, 0.6, 0.5]}] * 2, 4, three)
-    for updates in nxt:
-        assert torch.isfinite(updates["auto_times"]).sum(dim=1).tolist() == [1, 2, 1]
+    nxt = _agree([{"times": [[1.2, inf], [0.6, inf], [0.5, inf]], "active": [False, True, True],
+                   "cost": [1.2, 0.6, 0.5]}] * 2, 4, three)
+    for state in nxt:
+        assert torch.isfinite(state.times).sum(dim=1).tolist() == [1, 2, 1]
 
 
 def test_a_plan_far_ahead_on_whole_exploration_steps_is_kept_unverified():
     times = [[1.0, 1.0], [0.3, 0.3]]
     for fp16_step, verified in ((0.1, False), (0.2, True)):  # dense's exploration step: 0.3 s
-        state = {"auto_times": times, "auto_periods": [[0.3, 0.35], [fp16_step, 0.25]]}
-        for updates in _agree([state] * 2, 4):
-            assert ("auto_plan" in updates) == verified and ("auto_choice" in updates) != verified
+        fields = {"times": times, "periods": [[0.3, 0.35], [fp16_step, 0.25]]}
+        for state in _agree([fields] * 2, 4):
+            assert (state.plan is not None) == verified and (state.choice is not None) != verified
             if not verified:
-                assert int(updates["auto_choice"]) == 1
-                assert updates["auto_step_cost"].tolist() == pytest.approx([fp16_step, 0.3])
+                assert state.choice == 1
+                assert state.step_cost.tolist() == pytest.approx([fp16_step, 0.3])
 
 
 def _verified(per_rank_steps, periods, **params):
     """The final choice after verification (plan fp16 over dense) from per-rank step times."""
-    state = [{"auto_plan": 1, "auto_steps": steps, "auto_cost": [1.0, 0.3]} for steps in per_rank_steps]
+    fields = [{"plan": 1, "steps": steps, "cost": [1.0, 0.3]} for steps in per_rank_steps]
     repetitions = len(per_rank_steps[0][0])
-    updates = _agree(state, 4 + 9 * repetitions, verify=repetitions, periods=periods, **params)
-    return [int(u["auto_choice"]) for u in updates], updates[0]["auto_step_cost"].tolist()
+    states = _agree(fields, 4 + 9 * repetitions, verify=repetitions, periods=periods, **params)
+    return [s.choice for s in states], states[0].step_cost.tolist()
 
 
 def test_verification_keeps_a_plan_only_if_whole_steps_are_faster():

@@ -1,5 +1,11 @@
 """Auto: measure which candidate method exchanges each bucket fastest on this run's link, check that it
-makes whole training steps faster, then use it."""
+makes whole training steps faster, then use it.
+
+A policy above the candidates: each tensor's :class:`AutoState` and the pure :func:`schedule` of its
+steps live in autoschedule.py; here are :class:`StepClock`, this rank's clock of whole steps (told by
+:meth:`Compressor.observe_step`, never saved), and :class:`Auto`, which runs the candidates, times them
+and agrees with the other ranks.
+"""
 from __future__ import annotations
 
 import math
@@ -10,19 +16,92 @@ import torch
 
 from .base import AllReduce, Compressor, TensorContext
 from .dense import NoCompression
+from .autoschedule import PLAN_STEPS, REPETITION, AutoState, ScheduleConfig, Turn, position, schedule
 from .registry import compressor_class, make, parse_spec, register
+
+__all__ = ["Auto", "AutoState", "ScheduleConfig", "Turn", "schedule", "position", "StepClock"]
 
 DEFAULT_CANDIDATES = ("none", "fp16", "powersgd:rank=2,dense_steps=0", "topk:ratio=0.01")
 
 
-# Verification: each repetition runs the plan for 4 steps and dense for 5, and times 3 whole steps of
-# each: plan steps 1 to 4, and dense steps 2 to 5 (the first dense step flushes the residual through
-# auto's own path, the others take the plain allreduce).
-_PLAN_STEPS, _DENSE_STEPS, _TIMED = 4, 5, 3
-_REPETITION = _PLAN_STEPS + _DENSE_STEPS
+# Verification times 3 whole steps of each arm: plan steps 1 to 4, and dense steps 2 to 5 (the first
+# dense step flushes the residual through auto's own path, the others take the plain allreduce).
+_TIMED = 3
 # A plan whose candidate made whole exploration steps this much faster than dense's is kept unverified:
 # far beyond the noise, and verifying it would cost slow dense steps.
 _CLEAR_WIN = 0.5
+
+
+# -- timing on this rank ---------------------------------------------------------------------------------
+class BucketExchange:
+    """What the tensors of one exchange (one bucket) share on this rank, for this exchange only: when
+    its timed part began, one record of times per measurement history, and what each tensor ran."""
+
+    def __init__(self):
+        self.start: Optional[float] = None
+        self.ran: dict = {}  # tensor key -> (step, candidate, bytes its agreement sent)
+        self._records: dict = {}  # history of times -> (record, [(ctx, state)] sharing it)
+
+    def timing_start(self) -> float:
+        """The start of the bucket's timing: its first tensor's exchange (the requests are fused)."""
+        if self.start is None:
+            self.start = time.perf_counter()
+        return self.start
+
+    def record(self, ctx: TensorContext, state: AutoState, candidate: int, elapsed: float) -> list:
+        """Record ``elapsed`` as the bucket's time under ``candidate``; returns every (ctx, state) whose
+        times changed.  Tensors with the same history share one record, and the last of them to finish
+        writes the bucket's whole exchange time into it: they then see the same costs and choose alike."""
+        history = tuple(state.times.reshape(-1).tolist())
+        record, members = self._records.get(history, (state.times, []))
+        record = record.clone()
+        record[candidate, int(torch.isfinite(state.times[candidate]).sum())] = elapsed
+        members.append((ctx, state))
+        self._records[history] = (record, members)
+        for _, member in members:
+            member.times = record
+        return members
+
+
+class StepClock:
+    """This rank's clock of each tensor's exchange starts, told by :meth:`Auto.observe_step` for dense
+    steps too: the intervals are whole training steps as this rank saw them.  Not saved: a resumed run
+    starts a new clock.  It also hands each tensor the :class:`BucketExchange` it belongs to."""
+
+    KEEP = 4  # intervals kept per tensor: verification times 3 steps, one step back at most
+
+    def __init__(self):
+        self._starts: dict[str, float] = {}
+        self._steps: dict[str, tuple] = {}
+        self._exchanges: dict[str, BucketExchange] = {}
+
+    def start(self, keys: Sequence[str], now: float) -> None:
+        """These tensors' exchange (one bucket) starts at ``now``."""
+        bucket = BucketExchange()
+        for key in keys:
+            last = self._starts.get(key)
+            if last is not None:
+                self._steps[key] = (self._steps.get(key, ()) + (now - last,))[-self.KEEP:]
+            self._starts[key] = now
+            self._exchanges[key] = bucket
+
+    def step_times(self, key: str) -> tuple:
+        """The latest whole-step times of this tensor, oldest first."""
+        return self._steps.get(key, ())
+
+    def exchange_of(self, key: str) -> BucketExchange:
+        """The bucket exchange started last with this tensor; a new one of its own when none was started
+        or this one already ran it (a caller that exchanges without telling the clock)."""
+        bucket = self._exchanges.get(key)
+        if bucket is None or key in bucket.ran:
+            bucket = self._exchanges[key] = BucketExchange()
+        return bucket
+
+    def ran(self, key: str, step: int) -> Optional[tuple]:
+        """(candidate, agreement bytes) of this tensor's exchange at ``step``, if it ran."""
+        bucket = self._exchanges.get(key)
+        entry = None if bucket is None else bucket.ran.get(key)
+        return entry[1:] if entry is not None and entry[0] == step else None
 
 
 @register
@@ -46,8 +125,9 @@ class Auto(Compressor):
     3. Verification (``verify`` repetitions, when the plan compresses and ``none`` is a candidate):
        an exchange's time cannot show what a codec takes from backward or how much of the exchange
        backward already hid, so the plan must also win on the whole step.  Each repetition runs the
-       plan for 4 steps, then dense for 5, timing 3 whole steps of each from the tensor's step clock
-       (``ctx.periods``).  With T = mean over ranks of the median over repetitions, the bucket keeps
+       plan for 4 steps, then dense for 5, timing 3 whole steps of each from this rank's
+       :class:`StepClock` (the state tells :meth:`observe_step` when each bucket's exchange starts,
+       dense ones included).  With T = mean over ranks of the median over repetitions, the bucket keeps
        its plan only if ``T_plan < (1 - step_margin) * T_dense``, else it sends densely.  Exploration
        steps are clocked too (T_c: min over trials and ranks); a plan with ``T_p < 0.5 T_none`` there
        is kept unverified.
@@ -61,6 +141,9 @@ class Auto(Compressor):
     ``;``); they run under auto's ``feedback``, and the residual carries over when the candidate changes.
     A candidate is only chosen for tensors it compresses (PowerSGD leaves 1-D tensors dense), so give
     candidates that compress from the first step (PowerSGD ``dense_steps=0``, DGC ``warmup_epochs=0``).
+
+    An instance clocks the steps of the one :class:`~gradzip.GradzipState` that holds it (tensors are
+    known by their names), so give each state its own.
     """
 
     name = "auto"
@@ -108,66 +191,41 @@ class Auto(Compressor):
         self._built = built
         self._dense = NoCompression()
         self._none = next((i for i, c in enumerate(built) if c.name == "none"), None)
+        self._schedule = ScheduleConfig(len(built), warmup, trials, verify)
+        self._blank = AutoState.blank(self._schedule)
+        self._clock = StepClock()
 
     def choices(self, tensors: dict) -> dict[str, str]:
         """Tensor name -> the candidate spec it uses, for every decided tensor of a state's ``tensors``."""
-        return {key: self.candidates[int(slot["auto_choice"])] for key, slot in tensors.items() if "auto_choice" in slot}
+        chosen = {key: AutoState.load(slot.get, self._blank).choice for key, slot in tensors.items()}
+        return {key: self.candidates[index] for key, index in chosen.items() if index is not None}
+
+    def describe(self, tensors: dict) -> dict:
+        return {"choices": self.choices(tensors)}
+
+    def observe_step(self, keys, now):
+        self._clock.start(keys, now)
 
     # -- where a tensor is in the schedule ---------------------------------------------------------------
-    @property
-    def _explore_steps(self) -> int:
-        return self.trials * len(self._built)
+    def _load(self, ctx: TensorContext) -> AutoState:
+        return AutoState.load(ctx.get, self._blank)
 
-    def _trials(self, ctx: TensorContext, name: str) -> torch.Tensor:
-        """A (candidates, trials) record of times; inf: not measured (NaN breaks state equality)."""
-        record = ctx.get(name)
-        return torch.full((len(self._built), self.trials), math.inf, dtype=torch.float64) if record is None else record
+    def _save(self, ctx: TensorContext, state: AutoState) -> None:
+        for name, value in state.saved(self._blank).items():
+            ctx.set(name, value)
 
-    def _times(self, ctx: TensorContext) -> torch.Tensor:
-        return self._trials(ctx, "auto_times")  # each candidate's bucket exchanges
-
-    def _explored_steps(self, ctx) -> torch.Tensor:
-        return self._trials(ctx, "auto_periods")  # whole steps under each candidate
+    def _turn(self, state: AutoState, ctx: TensorContext) -> Turn:
+        return schedule(state, ctx.step, self._schedule)
 
     def _eligible(self, ctx: TensorContext) -> torch.Tensor:
         # A candidate that leaves this tensor dense (PowerSGD and a bias) is "none" under another name.
         return torch.tensor([c.name == "none" or self._sends(i, ctx) for i, c in enumerate(self._built)])
 
-    def _active(self, ctx: TensorContext) -> torch.Tensor:
-        active = ctx.get("auto_active")
-        return torch.ones(len(self._built), dtype=torch.bool) if active is None else active
-
-    def _position(self, ctx: TensorContext) -> Optional[int]:
-        """Steps since this tensor's exploration began (None: still warming up)."""
-        begin = ctx.get("auto_begin")
-        if begin is None:
-            return None if ctx.step < self.warmup else 0
-        return ctx.step - int(begin)
-
-    def _stage(self, ctx: TensorContext) -> tuple[str, Optional[int]]:
-        """(stage, the candidate this step runs; None: dense).  Stages: "warmup", "explore" (timed),
-        "stand-in" (a dropped candidate's turn), "decide" (agree first), "verify", "chosen"."""
-        chosen = ctx.get("auto_choice")
-        if chosen is not None:
-            return "chosen", int(chosen)
-        s = self._position(ctx)
-        if s is None:
-            return "warmup", None
-        if s < self._explore_steps:
-            turn = s % len(self._built)
-            active = self._active(ctx)
-            if active[turn]:
-                return "explore", turn
-            cost = torch.where(active, ctx.get("auto_cost"), math.inf)
-            return "stand-in", int(torch.argmin(cost))
-        plan = ctx.get("auto_plan")
-        v = s - self._explore_steps
-        if plan is None or v >= self.verify * _REPETITION:
-            return "decide", None
-        return "verify", int(plan) if v % _REPETITION < _PLAN_STEPS else None
-
     def compresses(self, ctx):
-        stage, index = self._stage(ctx)
+        return self._compresses(self._load(ctx), ctx)
+
+    def _compresses(self, state: AutoState, ctx) -> bool:
+        stage, index = self._turn(state, ctx)
         if stage in ("warmup", "chosen", "verify"):
             return self._sends(index, ctx)
         return True  # exploring and agreeing need auto's own exchange
@@ -178,46 +236,50 @@ class Auto(Compressor):
 
     # -- the exchange ---------------------------------------------------------------------------------
     def exchange(self, x, ctx):
-        agreed = yield from self._clock_and_agree(ctx)
-        stage, index = self._stage(ctx)
-        ctx.exchange[("auto_ran", ctx.key)] = (index, agreed)  # for payload_bytes
+        state = self._load(ctx)
+        changes = self._turn(state, ctx).stage not in ("warmup", "chosen")
+        agreed = yield from self._clock_and_agree(state, ctx)
+        stage, index = self._turn(state, ctx)
+        bucket = self._clock.exchange_of(ctx.key)
+        bucket.ran[ctx.key] = (ctx.step, index, agreed)  # for payload_bytes
         if stage in ("explore", "stand-in"):
-            ctx.set("auto_ran", torch.tensor(index))
+            state.ran = index
         run = self._built[index].exchange if self._sends(index, ctx) else self._dense.exchange
-        if stage != "explore":
-            return (yield from run(x, ctx))
-        start = ctx.exchange.setdefault("auto_start", time.perf_counter())  # the bucket's first tensor
-        result = yield from run(x, ctx)
-        # Tensors of one bucket with the same history share one record, and the last of them to finish
-        # writes the bucket's whole exchange time into it: they then see the same costs and choose alike.
-        times = self._times(ctx)
-        slot = int(torch.isfinite(times[index]).sum())
-        record = ctx.exchange.setdefault(("auto_times", tuple(times.reshape(-1).tolist())), times.clone())
-        record[index, slot] = time.perf_counter() - start
-        ctx.set("auto_times", record)
+        if stage == "explore":
+            start = bucket.timing_start()
+            result = yield from run(x, ctx)
+            for member_ctx, member in bucket.record(ctx, state, index, time.perf_counter() - start):
+                self._save(member_ctx, member)
+        else:
+            if changes:
+                self._save(ctx, state)
+            result = yield from run(x, ctx)
+        # A decision within this exchange to send densely from now on: error feedback keeps no residual.
+        result.settled_dense = not self._compresses(state, ctx)
         return result
 
-    def _clock_and_agree(self, ctx):
-        """Record this step's clock readings, and agree with the other ranks where the schedule says so;
+    def _clock_and_agree(self, state: AutoState, ctx):
+        """Record the step clock's readings, and agree with the other ranks where the schedule says so;
         returns the bytes the agreement sent."""
-        s = self._position(ctx)
+        s = position(state, ctx.step, self._schedule)
         if s is None:
             return 0
-        if ctx.get("auto_begin") is None:
-            ctx.set("auto_begin", torch.tensor(ctx.step))
-        stage, _ = self._stage(ctx)
+        if state.begin is None:
+            state.begin = ctx.step
+        stage = self._turn(state, ctx).stage
+        steps = self._clock.step_times(ctx.key)
         if stage in ("explore", "stand-in"):
             if s > 0:
-                self._record_explored_step(ctx)
+                self._record_explored_step(state, steps)
             if s > 0 and s % len(self._built) == 0:  # a new round
-                return (yield from self._agree_round(ctx))
-        elif stage == "decide" and ctx.get("auto_plan") is None:
-            self._record_explored_step(ctx)
-            return (yield from self._agree_plan(ctx))
+                return (yield from self._agree_round(state, ctx))
+        elif stage == "decide" and state.plan is None:
+            self._record_explored_step(state, steps)
+            return (yield from self._agree_plan(state, ctx))
         elif stage in ("verify", "decide"):
-            self._record_step(ctx, s - self._explore_steps)
+            self._record_step(state, steps, s - self._schedule.explore_steps)
             if stage == "decide":
-                return (yield from self._agree_steps(ctx))
+                return (yield from self._agree_steps(state, ctx))
         return 0
 
     def _costs(self, times: torch.Tensor):
@@ -226,85 +288,81 @@ class Auto(Compressor):
         fastest = times.min(dim=1).values
         return -(yield AllReduce(-fastest.float(), op="max")).double()
 
-    def _agree_round(self, ctx):
+    def _agree_round(self, state: AutoState, ctx):
         """Drop the candidates more than ``drop`` times slower than the fastest so far."""
-        measured = yield from self._costs(self._times(ctx))
+        measured = yield from self._costs(state.times)
         eligible = self._eligible(ctx)
-        active = self._active(ctx) & eligible & torch.isfinite(measured)
+        active = state.active & eligible & torch.isfinite(measured)
         if not bool(active.any()):  # nothing measured anywhere (cannot happen in lockstep): keep racing
             active = eligible
         cost = torch.where(active, measured, math.inf)
-        ctx.set("auto_active", active & (cost <= self.drop * cost.min()))
-        ctx.set("auto_cost", measured)
+        state.active = active & (cost <= self.drop * cost.min())
+        state.cost = measured
         return len(self._built) * 4
 
-    def _agree_plan(self, ctx):
+    def _agree_plan(self, state: AutoState, ctx):
         """The plan: the fastest candidate, if it clearly beats dense's exchange."""
         C = len(self._built)
-        measured = yield from self._costs(torch.cat([self._times(ctx), self._explored_steps(ctx)]))
+        measured = yield from self._costs(torch.cat([state.times, state.periods]))
         measured, step_cost = measured[:C], measured[C:]
-        cost = torch.where(self._active(ctx) & self._eligible(ctx), measured, math.inf)
+        cost = torch.where(state.active & self._eligible(ctx), measured, math.inf)
         best = int(torch.argmin(cost))
         if self._none is not None:  # compared with dense's measured cost, even if it left the race
             saving = measured[self._none] - cost[best]
             if not (cost[best] < (1 - self.margin) * measured[self._none] and saving >= self.min_saving_ms / 1e3):
                 best = self._none  # not clearly faster, too little to gain (or nothing measured): stay dense
-        ctx.set("auto_cost", measured)
-        for name in ("auto_times", "auto_active", "auto_periods", "auto_ran"):
-            ctx.set(name, None)
+        state.cost = measured
+        state.times, state.active, state.periods, state.ran = (  # exploration's records are done with
+            self._blank.times, self._blank.active, self._blank.periods, None)
         if not self._sends(best, ctx) or self.verify == 0 or self._none is None:
-            ctx.set("auto_choice", torch.tensor(best))
+            state.choice = best
         elif step_cost[best] < _CLEAR_WIN * step_cost[self._none]:
-            ctx.set("auto_choice", torch.tensor(best))
-            ctx.set("auto_step_cost", step_cost[[best, self._none]])
+            state.choice, state.step_cost = best, step_cost[[best, self._none]]
         else:
-            ctx.set("auto_plan", torch.tensor(best))
-            ctx.set("auto_steps", torch.full((2, self.verify), math.inf, dtype=torch.float64))
+            state.plan = best
         return 2 * C * 4
 
-    def _record_explored_step(self, ctx) -> None:
-        """The step before this one ran candidate ``auto_ran`` everywhere: its whole step's time."""
-        ran = ctx.get("auto_ran")
-        if ran is None or not ctx.periods:
+    def _record_explored_step(self, state: AutoState, steps: tuple) -> None:
+        """The step before this one ran candidate ``state.ran`` everywhere: its whole step's time."""
+        if state.ran is None or not steps:
             return
-        periods = self._explored_steps(ctx).clone()
-        row = periods[int(ran)]
+        periods = state.periods.clone()
+        row = periods[state.ran]
         slot = int(torch.isfinite(row).sum())
         if slot < self.trials:
-            row[slot] = ctx.periods[-1]
-            ctx.set("auto_periods", periods)
+            row[slot] = steps[-1]
+            state.periods = periods
 
-    def _record_step(self, ctx, v: int) -> None:
+    def _record_step(self, state: AutoState, steps: tuple, v: int) -> None:
         """Time whole steps of each arm from the step clock (see the schedule at the top)."""
-        phase, repetition = v % _REPETITION, v // _REPETITION
-        if phase == _PLAN_STEPS - 1:  # plan steps 1 -> 4
-            arm, clocked = 0, ctx.periods[-_TIMED:]
+        phase, repetition = v % REPETITION, v // REPETITION
+        if phase == PLAN_STEPS - 1:  # plan steps 1 -> 4
+            arm, clocked = 0, steps[-_TIMED:]
         elif phase == 0 and v > 0:  # dense steps 2 -> 5 of the repetition before
-            arm, clocked, repetition = 1, ctx.periods[-_TIMED - 1:-1], repetition - 1
+            arm, clocked, repetition = 1, steps[-_TIMED - 1:-1], repetition - 1
         else:
             return
-        steps = ctx.get("auto_steps").clone()
-        steps[arm, repetition] = sum(clocked) / _TIMED if len(clocked) == _TIMED else math.inf
-        ctx.set("auto_steps", steps)
+        timed = state.steps.clone()
+        timed[arm, repetition] = sum(clocked) / _TIMED if len(clocked) == _TIMED else math.inf
+        state.steps = timed
 
-    def _agree_steps(self, ctx):
+    def _agree_steps(self, state: AutoState, ctx):
         """Keep the plan only if its whole step is ``step_margin`` faster than dense's."""
-        steps = ctx.get("auto_steps")
         # The median over repetitions ignores a step that an evaluation or a checkpoint lengthened; the
         # mean over ranks (unlike a min) is not fooled by one rank's clock starting late on one step.
         medians = torch.stack([row[torch.isfinite(row)].median() if torch.isfinite(row).any()
-                               else torch.tensor(math.inf, dtype=row.dtype) for row in steps])
+                               else torch.tensor(math.inf, dtype=row.dtype) for row in state.steps])
         plan_s, dense_s = ((yield AllReduce(medians.float())).double() / ctx.world_size).tolist()
         keep = not math.isfinite(dense_s) or plan_s < (1 - self.step_margin) * dense_s
-        ctx.set("auto_choice", ctx.get("auto_plan") if keep else torch.tensor(self._none))
-        ctx.set("auto_step_cost", torch.tensor([plan_s, dense_s], dtype=torch.float64))
-        for name in ("auto_plan", "auto_steps"):
-            ctx.set(name, None)
+        state.choice = state.plan if keep else self._none
+        state.step_cost = torch.tensor([plan_s, dense_s], dtype=torch.float64)
+        state.plan, state.steps = None, self._blank.steps
         return 2 * 4
 
     def payload_bytes(self, ctx, kept=None):
         # After the exchange: what it ran (and agreed on); before it: what this step would run.
-        index, agreed = ctx.exchange.get(("auto_ran", ctx.key), (self._stage(ctx)[1], 0))
+        ran = self._clock.ran(ctx.key, ctx.step)
+        index, agreed = ran if ran is not None else (self._turn(self._load(ctx), ctx).candidate, 0)
         method = self._built[index] if self._sends(index, ctx) else self._dense
         return agreed + method.payload_bytes(ctx, kept)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Generator, Optional
+from typing import Any, Callable, ClassVar, Generator, Optional, Sequence
 
 import torch
 
@@ -65,9 +65,13 @@ class Exchanged:
     ``sent`` is zero except at the unique int64 positions ``idx`` of the flattened tensor, where it holds
     the float32 ``values``; error feedback then updates only those positions, and the dense ``sent`` and
     ``mask`` are built from it only if someone asks.
+
+    ``settled_dense`` is set by a method that decided within this exchange to send the tensor densely
+    from now on (auto): error feedback then keeps no residual, as for a tensor sent densely, so that
+    the next step can take the integration's plain dense path at once.
     """
 
-    __slots__ = ("aggregate", "_sent", "_mask", "sparse", "sent_into")
+    __slots__ = ("aggregate", "_sent", "_mask", "sparse", "sent_into", "settled_dense")
 
     def __init__(self, aggregate: torch.Tensor, sent=None, mask=None, *, sparse: Optional[tuple] = None,
                  sent_into: Optional[Callable] = None):
@@ -80,6 +84,7 @@ class Exchanged:
         #: Optional ``sent_into(out)``: writes ``sent`` into the float32 tensor ``out`` (of the aggregate's
         #: shape), so that error feedback can subtract it without a new full-size tensor.
         self.sent_into = sent_into
+        self.settled_dense = False
 
     @property
     def sent(self) -> torch.Tensor:
@@ -144,11 +149,6 @@ class TensorContext:
     seed: int = 0
     state: dict = field(default_factory=dict)
     updates: dict = field(default_factory=dict)
-    #: Scratch shared by every tensor of one exchange (one bucket), for this exchange only.
-    exchange: dict = field(default_factory=dict)
-    #: Seconds between this tensor's latest exchange starts on this rank, oldest first (at most 4): whole
-    #: training-step times, clocked by the owner whether a step went through the compressor or not.
-    periods: tuple = ()
 
     def get(self, name: str, default: Any = None) -> Any:
         return self.updates.get(name, self.state.get(name, default))
@@ -237,6 +237,17 @@ class Compressor:
 
     def exchange(self, x: torch.Tensor, ctx: TensorContext) -> Exchange:
         raise NotImplementedError
+
+    def observe_step(self, keys: Sequence[str], now: float) -> None:
+        """Called by ``GradzipState`` when these tensors' exchange starts (``now``: ``time.perf_counter()``),
+        whether the exchange runs through :meth:`exchange` or the integration sends them densely itself
+        (then on the DDP hook's thread, while other tensors' exchanges may run on the communication
+        thread).  A method that measures whole training steps (auto) clocks them here; the others ignore it."""
+
+    def describe(self, tensors: dict) -> dict:
+        """What the method decided during a run, for the run's summary (``tensors``: a state's per-tensor
+        state by tensor name); nothing by default (auto reports its ``choices``)."""
+        return {}
 
     def payload_bytes(self, ctx: TensorContext, kept: Optional[int] = None) -> int:
         """The method's wire formula: bytes this worker hands to collectives for one tensor.

@@ -646,8 +646,7 @@ def _finish(run: _Run) -> Optional[dict]:
             summary.update(_outer_fields(outer), evaluated="theta_g: DiLoCo's global parameters, equal on every "
                                                           "rank (a replica equals them only right after a sync)")
         summary["buckets"] = state.bucket_stats()
-        if hasattr(state.compressor, "choices"):  # auto: which candidate each tensor settled on
-            summary["choices"] = state.compressor.choices(state.tensors)
+        summary.update(state.compressor.describe(state.tensors))  # auto: the candidate of each tensor
         (run.directory / "summary.json").write_text(json.dumps(summary, indent=2))
     if run.world > 1:
         dist.barrier()
