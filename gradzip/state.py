@@ -175,8 +175,8 @@ class GradzipState:
         wire = set()
         for key, g in named_grads:
             ctx = self.context(key, g)
-            if scheme.state_keys and (self.compressor.compresses(ctx) or any(k in ctx.state for k in scheme.state_keys)):
-                return None  # a residual is kept, or one left from earlier steps must be sent
+            if any(k in ctx.state for k in scheme.state_keys):
+                return None  # a residual left from earlier steps must be sent
             wire.add(self.compressor.allreduce_dtype(ctx))
         return wire.pop() if len(wire) == 1 and None not in wire else None
 

@@ -115,3 +115,20 @@ def test_no_plain_path_without_torch_distributed():
     assert not dist.is_initialized()
     state = gradzip.GradzipState("fp16")
     assert state.dense_group is None
+
+
+def auto_chooses_fp16(rank, world):
+    # auto with one candidate: step 0 warm-up, step 1 its trial (keeping a rounding residual), step 2
+    # the decision, which flushes that residual through gradzip's exchange and keeps none; then DDP's path.
+    params = {"candidates": ["fp16"], "warmup": 1, "trials": 1}
+    plain = _train(rank, "auto", plain=True, steps=7, **params)
+    own = _train(rank, "auto", plain=False, steps=7, **params)
+    return plain, own
+
+
+def test_auto_runs_a_chosen_half_cast_without_feedback_on_ddps_path():
+    for plain, own in run_workers(auto_chooses_fp16, 2):
+        assert torch.equal(plain[0], own[0])  # the same numbers on either path
+        plain_per_bucket = [b["plain"] for b in plain[1]["buckets"] if b["exchanges"] == 6]
+        assert plain_per_bucket and all(n == 4 for n in plain_per_bucket)  # steps 3 to 6
+        assert own[1]["plain_allreduces"] == 0

@@ -169,7 +169,7 @@ class Auto(Compressor):
                 raise ValueError(f"{field} must be a number with 0 <= {field} < 1, got {value!r}")
         if isinstance(min_saving_ms, bool) or not isinstance(min_saving_ms, (int, float)) or not 0 <= min_saving_ms < math.inf:
             raise ValueError(f"min_saving_ms must be a finite number >= 0, got {min_saving_ms!r}")
-        built = []
+        built, plain = [], []
         for spec in candidates:
             if compressor_class(spec.partition(":")[0].strip()) is type(self):  # unknown: the registry's error
                 raise ValueError("auto cannot be its own candidate")
@@ -178,6 +178,7 @@ class Auto(Compressor):
                 if "feedback" in params:
                     raise ValueError("give feedback to auto itself, not to a candidate")
                 built.append(make(name, feedback=self.feedback, **params))
+                plain.append(make(name, feedback="none", **params) if "none" in built[-1].feedbacks else None)
             except ValueError as exc:
                 raise ValueError(f"candidate {spec!r}: {exc}") from None
         self.candidates = tuple(candidates)
@@ -189,6 +190,7 @@ class Auto(Compressor):
         self.verify = verify
         self.step_margin = float(step_margin)
         self._built = built
+        self._plain = plain  # each candidate without error feedback: what a plain allreduce may carry
         self._dense = NoCompression()
         self._none = next((i for i, c in enumerate(built) if c.name == "none"), None)
         self._schedule = ScheduleConfig(len(built), warmup, trials, verify)
@@ -230,6 +232,20 @@ class Auto(Compressor):
             return self._sends(index, ctx)
         return True  # exploring and agreeing need auto's own exchange
 
+    def allreduce_dtype(self, ctx):
+        return self._allreduce_dtype(self._load(ctx), ctx)
+
+    def _allreduce_dtype(self, state: AutoState, ctx):
+        """Dense steps in the gradient's dtype, and a half cast that runs outside exploration: auto runs
+        it without error feedback (as PyTorch's fp16 and bf16 hooks do; its rounding error is far below
+        the gradient noise), so the integration's plain allreduce in the half type carries it."""
+        stage, index = self._turn(state, ctx)
+        if stage not in ("warmup", "chosen", "verify"):
+            return None
+        if not self._sends(index, ctx):
+            return ctx.dtype
+        return None if self._plain[index] is None else self._plain[index].allreduce_dtype(ctx)
+
     def _sends(self, index: Optional[int], ctx) -> bool:
         """Whether candidate ``index`` compresses this tensor (``none`` and dense fall-backs do not)."""
         return index is not None and self._built[index].name != "none" and self._built[index].compresses(ctx)
@@ -254,8 +270,9 @@ class Auto(Compressor):
             if changes:
                 self._save(ctx, state)
             result = yield from run(x, ctx)
-        # A decision within this exchange to send densely from now on: error feedback keeps no residual.
-        result.settled_dense = not self._compresses(state, ctx)
+        # Sending densely (or as a plain half cast) from now on, decided within this exchange or before:
+        # error feedback keeps no residual.
+        result.settled_dense = self._allreduce_dtype(state, ctx) is not None or not self._compresses(state, ctx)
         return result
 
     def _clock_and_agree(self, state: AutoState, ctx):

@@ -230,9 +230,10 @@ class Compressor:
         return True
 
     def allreduce_dtype(self, ctx: TensorContext) -> Optional[torch.dtype]:
-        """The dtype in which one plain allreduce of x / N gives exactly this method's average of this
-        tensor (None: only :meth:`exchange` does).  Integrations then use their framework's own C++
-        collective instead of gradzip's thread; asked only when error feedback keeps nothing."""
+        """The dtype in which one plain allreduce of x / N gives exactly what this method's exchange,
+        error feedback included, gives for this tensor, leaving no feedback state behind (None: only
+        :meth:`exchange` does).  Integrations may then use their framework's own C++ collective instead
+        of gradzip's thread.  Not compressing is such a case: error feedback keeps nothing then."""
         return None if self.compresses(ctx) else ctx.dtype
 
     def exchange(self, x: torch.Tensor, ctx: TensorContext) -> Exchange:

@@ -59,8 +59,9 @@ class _HalfCast(SummableCompressor):
 
     def allreduce_dtype(self, ctx):
         # The exchange's mean is float(sum of half(x / N)) itself while N < 2^13 (FP16.exchange; bf16's
-        # 8-bit significand times N is exact in fp32 too), which is what a plain half allreduce yields.
-        return self.half_dtype if ctx.world_size < 2**13 else None
+        # 8-bit significand times N is exact in fp32 too), which is what a plain half allreduce yields;
+        # with error feedback the rounding error is kept, which only gradzip's exchange does.
+        return self.half_dtype if self.feedback == "none" and ctx.world_size < 2**13 else None
 
 
 @register
