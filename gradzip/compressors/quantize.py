@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from .. import kernels
 from ..bits import pack_bits, packed_nbytes, unpack_bits
 from .base import AllGather, AllReduce, Compressor, Exchanged, GatheredCompressor, TensorContext, workspace
 from .registry import register
@@ -25,9 +26,14 @@ def _round_up(p: torch.Tensor, ctx: TensorContext) -> torch.Tensor:
     (see :func:`workspace`): use it before the next ``yield``.
     """
     n, device = p.numel(), p.device
-    u = torch.rand(n, generator=ctx.generator(device, shared=False), device=device,
-                   out=workspace("uniform", n, torch.float32, device))
+    u = _uniforms(n, ctx, device)
     return torch.lt(u.view(p.shape), p, out=workspace("round_up", n, torch.bool, device).view(p.shape))
+
+
+def _uniforms(n: int, ctx: TensorContext, device: torch.device) -> torch.Tensor:
+    """n fp32 uniforms in [0, 1) from this worker's private stream (a reused buffer, as in _round_up)."""
+    return torch.rand(n, generator=ctx.generator(device, shared=False), device=device,
+                      out=workspace("uniform", n, torch.float32, device))
 
 
 @functools.lru_cache(maxsize=64)
@@ -97,6 +103,28 @@ def natural_reference(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(flat), out, float("nan")).reshape(x.shape)
 
 
+@kernels.fused
+def _qsgd_encode(flat, scale, u, s: int, bs: int, bits: int):
+    """QSGD's packed codes: ratio = |v_i| * (s / ||v||), xi = floor(ratio) + [u < frac(ratio)] clamped
+    to 0..s, code = 2 xi + [v_i < 0] (as :meth:`QSGD.compress`, in one loop)."""
+    n, buckets = flat.shape[0], scale.shape[0]
+    padded = torch.nn.functional.pad(flat, (0, buckets * bs - n)).view(buckets, bs)
+    ratio = (padded.abs() * scale[:, None]).reshape(-1)[:n]
+    xi = torch.floor(ratio) + (u < torch.frac(ratio)).to(ratio.dtype)
+    codes = xi.to(torch.int32).clamp(0, s) * 2 + (flat < 0).to(torch.int32)
+    return kernels.pack_codes(codes, bits)
+
+
+@kernels.fused
+def _qsgd_decode(packed, step, n: int, bs: int, bits: int):
+    """Q = (sign * xi) * (||v|| / s) from packed codes (as :meth:`QSGD.decompress`, in one loop)."""
+    codes = kernels.unpack_codes(packed, bits, n).to(torch.int32)
+    value = (codes >> 1).to(torch.float32) * (1 - 2 * (codes & 1)).to(torch.float32)
+    buckets = step.shape[0]
+    padded = torch.nn.functional.pad(value, (0, buckets * bs - n)).view(buckets, bs) * step[:, None]
+    return padded.reshape(-1)[:n]
+
+
 @register
 class QSGD(GatheredCompressor):
     """QSGD (Alistarh et al., NeurIPS 2017), bucketed.
@@ -127,7 +155,14 @@ class QSGD(GatheredCompressor):
     def _buckets(self, n: int) -> int:
         return math.ceil(n / self.bucket_size)
 
+    def _fused(self, x: torch.Tensor) -> bool:
+        return x.dtype == torch.float32 and 8 % self._bits == 0 and kernels.enabled(x.numel())
+
     def compress(self, x, ctx):
+        if self._fused(x):
+            fields = self._compress_fused(x.reshape(-1), ctx)
+            if fields is not None:
+                return fields
         s, flat, bs = self.levels, x.reshape(-1), self.bucket_size
         n = flat.numel()
         padded = self._buckets(n) * bs
@@ -149,9 +184,31 @@ class QSGD(GatheredCompressor):
         negative = torch.lt(flat, 0, out=workspace("round_up", n, torch.bool, flat.device))
         return norms.float(), pack_bits(codes.mul_(2).add_(negative), self._bits)
 
+    def _compress_fused(self, flat: torch.Tensor, ctx: TensorContext) -> Optional[tuple]:
+        """:meth:`compress` in one kernel after the norms: the same draws, norms and codes."""
+        n, bs = flat.numel(), self.bucket_size
+        full = n // bs
+        whole = flat[: full * bs].view(full, bs)
+        tail = workspace("qsgd.v", bs, flat.dtype, flat.device)[: bs * (full * bs < n)].view(-1, bs)
+        if tail.numel():  # the last bucket, zero padded as in compress
+            tail[0, : n - full * bs].copy_(flat[full * bs:])
+            tail[0, n - full * bs:].zero_()
+        if self.norm == "l2":
+            norms = torch.cat([torch.linalg.vector_norm(whole, dim=1), torch.linalg.vector_norm(tail, dim=1)])
+        else:
+            norms = torch.cat([whole.abs().amax(dim=1), tail.abs().amax(dim=1)])
+        scale = torch.where(norms > 0, self.levels / norms, 0.0)
+        u = _uniforms(self._buckets(n) * bs, ctx, flat.device)[:n]
+        packed = _qsgd_encode(flat, scale, u, self.levels, bs, self._bits)
+        return None if packed is None else (norms.float(), packed)
+
     def decompress(self, fields, ctx):
         norms, packed = fields
         n, s, bs = ctx.shape.numel(), self.levels, self.bucket_size
+        if 8 % self._bits == 0 and kernels.enabled(n):
+            value = _qsgd_decode(packed, norms.float() / s, n, bs, self._bits)
+            if value is not None:
+                return value.reshape(ctx.shape)
         codes = unpack_bits(packed, self._bits, n)
         # Q = (||v|| / s) * sign * xi; a code's sign * xi is looked up (0 with the sign bit is -0.0, as
         # sign * 0), and (step * sign) * xi == (sign * xi) * step since sign is +-1.
