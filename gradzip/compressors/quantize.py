@@ -229,6 +229,36 @@ class QSGD(GatheredCompressor):
         return 4 * self._buckets(n) + packed_nbytes(n, self._bits)
 
 
+@kernels.fused
+def _terngrad_encode(g, bound, s, u):
+    """TernGrad's packed codes t + 1 of clip(g) (as :meth:`TernGrad._codes` and ``pack_bits``, one loop)."""
+    g = torch.clamp(g, -bound, bound)
+    up = u < g.abs() / s.clamp_min(torch.finfo(torch.float32).tiny)
+    codes = ((g > 0) & up).to(torch.uint8) * 2 + 1 - up.to(torch.uint8)
+    return kernels.pack_codes(codes, 2)
+
+
+@kernels.fused
+def _terngrad_decode(stacked, s, n: int):
+    """s * mean_r t_r from the ranks' packed codes, one row per rank (sums of +-1 and 0 are exact)."""
+    world = stacked.shape[0]
+    codes = kernels.unpack_codes(stacked.reshape(-1), 2, stacked.numel() * 4).view(world, -1)[:, :n]
+    return (codes.to(torch.float32) - 1).sum(dim=0) * s / world
+
+
+def _ternary_mean(packed: list, s: torch.Tensor, n: int) -> torch.Tensor:
+    """s * mean_r (t_r) of the ranks' packed TernGrad codes t + 1, in rank order."""
+    if kernels.enabled(n):
+        mean = _terngrad_decode(torch.stack(packed), s, n)
+        if mean is not None:
+            return mean
+    # (t + 1) - 1 is exact in float32 (and 1 - 1 is +0.0, as where(..., 0.0) gave).
+    total = unpack_bits(packed[0], 2, n).float().sub_(1)
+    for codes in packed[1:]:
+        total += unpack_bits(codes, 2, n).float().sub_(1)
+    return total.mul_(s).div_(len(packed))
+
+
 @register
 class TernGrad(Compressor):
     """TernGrad (Wen et al., NeurIPS 2017): ternary gradients with a scaler shared by all workers.
@@ -259,35 +289,65 @@ class TernGrad(Compressor):
     def exchange(self, x, ctx):
         g = x.reshape(-1).float()
         n = g.numel()
+        fused = kernels.enabled(n)  # the fused kernel clips g itself: max|clip(g)| = clip(max|g|)
+        bound = None
         if self.clip is not None and n:
             square = torch.square(g, out=workspace("terngrad.square", n, g.dtype, g.device))
             bound = self.clip * square.mean().sqrt()
-            g = torch.clamp(g, -bound, bound)
+            g = g if fused else torch.clamp(g, -bound, bound)
         # max|g| from the two ends (one read, no |g| temporary): the same value, NaN included.
         if n:
             low, high = torch.aminmax(g)
+            if fused and bound is not None:
+                low, high = low.clamp(-bound, bound), high.clamp(-bound, bound)
             s_local = torch.maximum(low.abs(), high.abs()).reshape(1)
         else:
             s_local = g.new_zeros(1)
         s = yield AllReduce(s_local, op="max")
+        clip = bound if bound is not None else torch.tensor(math.inf, device=g.device)
+        packed = _terngrad_encode(g, clip, s, _uniforms(n, ctx, g.device)) if fused else None
+        if packed is None:
+            packed = pack_bits(self._codes(torch.clamp(g, -clip, clip) if fused else g, s, ctx), 2)
+        gathered = yield AllGather((packed,), same_size=True)
+        aggregate = _ternary_mean([f[0] for f in gathered], s, n)  # rank order: the same floats everywhere
+        return Exchanged(aggregate.reshape(ctx.shape), lambda: _ternary_mean([packed], s, n).reshape(ctx.shape))
+
+    @staticmethod
+    def _codes(g: torch.Tensor, s: torch.Tensor, ctx: TensorContext) -> torch.Tensor:
+        """t + 1 in {0, 1, 2} with P(t = sign(g_i)) = |g_i| / s, else t = 0."""
+        n = g.numel()
         # s == 0 means g == 0 everywhere: the clamp turns 0/0 into probability 0 instead of NaN.
         p = torch.abs(g, out=workspace("terngrad.p", n, g.dtype, g.device)).div_(s.clamp_min(torch.finfo(torch.float32).tiny))
         up = _round_up(p, ctx)
         # t = sign(g) where rounded up, else 0, sent as t + 1 in {0, 1, 2}.  up implies |g| > 0 (u < 0 never
         # holds), so t + 1 = 1 + up * (2 [g > 0] - 1) = 1 - up + 2 (up and g > 0).
         positive = torch.gt(g, 0, out=workspace("terngrad.positive", n, torch.bool, g.device)).logical_and_(up)
-        codes = positive.to(torch.uint8).mul_(2).add_(1).sub_(up.view(torch.uint8))
-        gathered = yield AllGather((pack_bits(codes, 2),), same_size=True)
-        # (t + 1) - 1 is exact in float32 (and 1 - 1 is +0.0, as where(..., 0.0) gave).
-        total = unpack_bits(gathered[0][0], 2, n).float().sub_(1)
-        for (packed,) in gathered[1:]:  # rank order: identical float sums on every rank
-            total += unpack_bits(packed, 2, n).float().sub_(1)
-        aggregate = total.mul_(s).div_(ctx.world_size)
-        sent = lambda: (s * codes.float().sub_(1)).reshape(ctx.shape)  # noqa: E731
-        return Exchanged(aggregate.reshape(ctx.shape), sent)
+        return positive.to(torch.uint8).mul_(2).add_(1).sub_(up.view(torch.uint8))
 
     def payload_bytes(self, ctx, kept=None):
         return 4 + packed_nbytes(ctx.shape.numel(), 2)
+
+
+@kernels.fused
+def _natural_encode(flat, u):
+    """Natural compression's codes from the fp32 bit pattern (as :meth:`Natural.compress`, one loop)."""
+    bits = flat.view(torch.int32)
+    biased = (bits >> 23) & 0xFF
+    tiny = biased < 64
+    p = torch.where(tiny, flat.abs() * 2.0**63, (bits & 0x7FFFFF).to(torch.float32) * 2.0**-23)
+    e = ((biased - 63).clamp(min=0) + (u < p).to(torch.int32)).clamp(max=127)
+    negative = ((bits < 0) & (e > 0)).to(torch.int32)
+    return torch.where(biased == 0xFF, Natural._NONFINITE, e | (negative << 7)).to(torch.uint8)
+
+
+@kernels.fused
+def _natural_decode(codes):
+    """The value of each code (as :func:`_natural_values`, computed instead of looked up)."""
+    c = codes.to(torch.int32)
+    e = c & 0x7F
+    magnitude = torch.where(e > 0, ((e + 63) << 23).view(torch.float32), 0.0)
+    value = torch.where((c & 0x80) != 0, -magnitude, magnitude)
+    return torch.where(c == Natural._NONFINITE, math.nan, value)
 
 
 @register
@@ -313,6 +373,9 @@ class Natural(GatheredCompressor):
     def compress(self, x, ctx):
         flat = x.reshape(-1).float().contiguous()
         n, device = flat.numel(), flat.device
+        codes = _natural_encode(flat, _uniforms(n, ctx, device)) if kernels.enabled(n) else None
+        if codes is not None:
+            return (codes,)
         bits = flat.view(torch.int32)
         biased = torch.bitwise_right_shift(bits, 23, out=workspace("natural.exp", n, torch.int32, device))
         biased.bitwise_and_(0xFF)  # a + 127: |x| in [2^a, 2^(a+1)) for normal floats
@@ -339,6 +402,9 @@ class Natural(GatheredCompressor):
 
     def decompress(self, fields, ctx):
         (codes,) = fields
+        value = _natural_decode(codes) if kernels.enabled(codes.numel()) else None
+        if value is not None:
+            return value.reshape(ctx.shape)
         index = workspace("codes", codes.numel(), torch.int32, codes.device).copy_(codes)
         return torch.index_select(_natural_values(codes.device), 0, index).reshape(ctx.shape)
 
