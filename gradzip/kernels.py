@@ -17,12 +17,13 @@ This module sits beside :mod:`gradzip.bits`: it imports only torch.
 from __future__ import annotations
 
 import os
+import types
 import warnings
 from typing import Callable, Optional
 
 import torch
 
-__all__ = ["MIN_NUMEL", "Kernel", "fused", "enabled", "pack_codes", "unpack_codes"]
+__all__ = ["MIN_NUMEL", "Kernel", "fused", "enabled", "pack_codes", "unpack_codes", "repeat_each"]
 
 #: The smallest tensor (elements) that takes a fused path.
 MIN_NUMEL = 1 << 16
@@ -46,25 +47,44 @@ def _disable(exc: BaseException) -> None:
 class Kernel:
     """A per-element function, compiled (``torch.compile(dynamic=True, fullgraph=True)``) on first call.
 
-    Calling it returns the compiled function's result, or None once fused kernels have failed in this
-    process: the caller then takes its reference path.
+    ``kernel(*args, **static)``: sizes of ``args`` (and integers among them) stay symbolic, so one compile
+    serves every tensor size; keyword arguments are compiled in as constants (one compile per value),
+    which keeps index arithmetic such as ``i // bucket_size`` or bit shifts vectorisable.  Returns the
+    result, or None once fused kernels have failed in this process: the caller then takes its reference
+    path.
     """
 
     def __init__(self, fn: Callable):
         self.fn = fn
         self.__name__ = getattr(fn, "__name__", "kernel")
-        self._compiled: Optional[Callable] = None
+        self._compiled: dict = {}
 
-    def __call__(self, *args):
+    def __call__(self, *args, **static):
         if _failure is not None:
             return None
+        key = tuple(sorted(static.items()))
         try:
-            if self._compiled is None:
-                self._compiled = torch.compile(self.fn, dynamic=True, fullgraph=True)
-            return self._compiled(*args)
+            if key not in self._compiled:
+                self._compiled[key] = torch.compile(_specialise(self.fn, static), fullgraph=True)
+            for arg in args:  # every size symbolic from the first compile (dynamic=True would make static too)
+                if isinstance(arg, torch.Tensor):
+                    for dim in range(arg.dim()):
+                        torch._dynamo.maybe_mark_dynamic(arg, dim)
+            return self._compiled[key](*args)
         except Exception as exc:  # noqa: BLE001 - any compiler failure means: use the reference path
             _disable(exc)
             return None
+
+
+def _specialise(fn: Callable, static: dict) -> Callable:
+    """``fn`` with ``static`` bound (read from a closure, so compiled in as constants), under a code
+    object of its own: torch.compile keeps its caches and recompile limit per code object."""
+    def specialised(*args):
+        return fn(*args, **static)
+
+    suffix = "_".join(f"{k}{v}" for k, v in sorted(static.items()))
+    code = specialised.__code__.replace(co_name=f"{getattr(fn, '__name__', 'kernel')}_{suffix}")
+    return types.FunctionType(code, specialised.__globals__, code.co_name, None, specialised.__closure__)
 
 
 def fused(fn: Callable) -> Kernel:
@@ -76,20 +96,37 @@ def fused(fn: Callable) -> Kernel:
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Codes (1-D, each < 2**bits, ``8 % bits == 0``) packed little-endian into uint8, as ``pack_bits``."""
+    """Codes (1-D, each < 2**bits, ``8 % bits == 0``) packed little-endian into uint8, as ``pack_bits``.
+
+    The whole bytes and the zero-padded last byte are packed apart: padding the whole input would put a
+    bounds check on every load, which Inductor does not vectorise.
+    """
     per_byte = 8 // bits
     n = codes.shape[0]
-    grouped = torch.nn.functional.pad(codes.to(torch.uint8), (0, (per_byte - n % per_byte) % per_byte))
-    grouped = grouped.view(-1, per_byte)
+    whole = n // per_byte * per_byte
+    codes = codes.to(torch.int32)  # 8-bit lanes vectorise poorly: uint8 only for the result
+    tail = torch.nn.functional.pad(codes[whole:], (0, (per_byte - n % per_byte) % per_byte))
+    packed = torch.cat([_or_codes(codes[:whole].view(-1, per_byte), bits), _or_codes(tail.view(-1, per_byte), bits)])
+    return packed.to(torch.uint8)
+
+
+def _or_codes(grouped: torch.Tensor, bits: int) -> torch.Tensor:
     packed = grouped[:, 0]
-    for j in range(1, per_byte):
+    for j in range(1, grouped.shape[1]):
         packed = packed | (grouped[:, j] << (j * bits))
     return packed
 
 
+def repeat_each(values: torch.Tensor, times: int, n: int) -> torch.Tensor:
+    """``values.repeat_interleave(times)[:n]`` as a broadcast view (no copy, no bounds checks)."""
+    return values.unsqueeze(1).expand(-1, times).reshape(-1)[:n]
+
+
 def unpack_codes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    """Inverse of :func:`pack_codes`: the first ``n`` codes, uint8."""
-    per_byte = 8 // bits
-    mask = (1 << bits) - 1
-    planes = [(packed >> (j * bits)) & mask for j in range(per_byte)]
-    return torch.stack(planes, dim=1).reshape(-1)[:n]
+    """Inverse of :func:`pack_codes`: the first ``n`` codes of each row of ``packed``, int32.
+
+    A broadcast shift rather than a stack of planes, so that the codes are never materialised.
+    """
+    shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=packed.device)
+    codes = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    return codes.reshape(*packed.shape[:-1], -1)[..., :n]

@@ -104,25 +104,21 @@ def natural_reference(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 @kernels.fused
-def _qsgd_encode(flat, scale, u, s: int, bs: int, bits: int):
+def _qsgd_encode(flat, scale, u, *, s: int, bs: int, bits: int):
     """QSGD's packed codes: ratio = |v_i| * (s / ||v||), xi = floor(ratio) + [u < frac(ratio)] clamped
     to 0..s, code = 2 xi + [v_i < 0] (as :meth:`QSGD.compress`, in one loop)."""
-    n, buckets = flat.shape[0], scale.shape[0]
-    padded = torch.nn.functional.pad(flat, (0, buckets * bs - n)).view(buckets, bs)
-    ratio = (padded.abs() * scale[:, None]).reshape(-1)[:n]
+    ratio = flat.abs() * kernels.repeat_each(scale, bs, flat.shape[0])
     xi = torch.floor(ratio) + (u < torch.frac(ratio)).to(ratio.dtype)
     codes = xi.to(torch.int32).clamp(0, s) * 2 + (flat < 0).to(torch.int32)
     return kernels.pack_codes(codes, bits)
 
 
 @kernels.fused
-def _qsgd_decode(packed, step, n: int, bs: int, bits: int):
+def _qsgd_decode(packed, step, n: int, *, bs: int, bits: int):
     """Q = (sign * xi) * (||v|| / s) from packed codes (as :meth:`QSGD.decompress`, in one loop)."""
     codes = kernels.unpack_codes(packed, bits, n).to(torch.int32)
     value = (codes >> 1).to(torch.float32) * (1 - 2 * (codes & 1)).to(torch.float32)
-    buckets = step.shape[0]
-    padded = torch.nn.functional.pad(value, (0, buckets * bs - n)).view(buckets, bs) * step[:, None]
-    return padded.reshape(-1)[:n]
+    return value * kernels.repeat_each(step, bs, n)
 
 
 @register
@@ -199,14 +195,14 @@ class QSGD(GatheredCompressor):
             norms = torch.cat([whole.abs().amax(dim=1), tail.abs().amax(dim=1)])
         scale = torch.where(norms > 0, self.levels / norms, 0.0)
         u = _uniforms(self._buckets(n) * bs, ctx, flat.device)[:n]
-        packed = _qsgd_encode(flat, scale, u, self.levels, bs, self._bits)
+        packed = _qsgd_encode(flat, scale, u, s=self.levels, bs=bs, bits=self._bits)
         return None if packed is None else (norms.float(), packed)
 
     def decompress(self, fields, ctx):
         norms, packed = fields
         n, s, bs = ctx.shape.numel(), self.levels, self.bucket_size
         if 8 % self._bits == 0 and kernels.enabled(n):
-            value = _qsgd_decode(packed, norms.float() / s, n, bs, self._bits)
+            value = _qsgd_decode(packed, norms.float() / s, n, bs=bs, bits=self._bits)
             if value is not None:
                 return value.reshape(ctx.shape)
         codes = unpack_bits(packed, self._bits, n)
@@ -241,9 +237,8 @@ def _terngrad_encode(g, bound, s, u):
 @kernels.fused
 def _terngrad_decode(stacked, s, n: int):
     """s * mean_r t_r from the ranks' packed codes, one row per rank (sums of +-1 and 0 are exact)."""
-    world = stacked.shape[0]
-    codes = kernels.unpack_codes(stacked.reshape(-1), 2, stacked.numel() * 4).view(world, -1)[:, :n]
-    return (codes.to(torch.float32) - 1).sum(dim=0) * s / world
+    codes = kernels.unpack_codes(stacked, 2, n)
+    return (codes.to(torch.float32) - 1).sum(dim=0) * s / stacked.shape[0]
 
 
 def _ternary_mean(packed: list, s: torch.Tensor, n: int) -> torch.Tensor:

@@ -49,27 +49,27 @@ def _unpack_signs(packed, n: int):
 @kernels.fused
 def _vote_bits(stacked, n: int):
     """sign(2c - N) as float32, c = the +1 votes among the N rows of packed bits."""
-    world = stacked.shape[0]
-    bits = kernels.unpack_codes(stacked.reshape(-1), 1, stacked.numel() * 8).view(world, -1)[:, :n]
-    return (bits.to(torch.int32).sum(dim=0) * 2 - world).sign().to(torch.float32)
+    bits = kernels.unpack_codes(stacked, 1, n)
+    return (bits.to(torch.int32).sum(dim=0) * 2 - stacked.shape[0]).sign().to(torch.float32)
 
 
 @kernels.fused
 def _pack_trits(flat, m: int):
     n = flat.shape[0]
-    codes = 1 + (flat > 0).to(torch.uint8) - (flat < 0).to(torch.uint8)
-    planes = torch.nn.functional.pad(codes, (0, TRITS_PER_BYTE * m - n)).view(TRITS_PER_BYTE, m)
-    packed = planes[-1]
-    for j in range(TRITS_PER_BYTE - 2, -1, -1):
-        packed = packed * 3 + planes[j]
-    return packed
+    codes = 1 + (flat > 0).to(torch.int32) - (flat < 0).to(torch.int32)  # int32: see kernels.pack_codes
+    last = TRITS_PER_BYTE - 1  # the only plane with padding codes (0), padded apart: see pack_codes
+    packed = torch.nn.functional.pad(codes[last * m:], (0, TRITS_PER_BYTE * m - n))
+    for j in range(last - 1, -1, -1):
+        packed = packed * 3 + codes[j * m:(j + 1) * m]
+    return packed.to(torch.uint8)
 
 
 @kernels.fused
 def _vote_trits(stacked, n: int, vote: bool):
     """The signs of one row of packed trits (int8), or the float32 sign of their sum over the rows."""
-    digits = [(stacked.to(torch.int32) // 3**j) % 3 - 1 for j in range(TRITS_PER_BYTE)]
-    signs = torch.stack(digits, dim=1).reshape(stacked.shape[0], -1)[:, :n]
+    powers = torch.tensor([3**j for j in range(TRITS_PER_BYTE)], dtype=torch.int32, device=stacked.device)
+    digits = (stacked.to(torch.int32).unsqueeze(1) // powers.unsqueeze(1)) % 3 - 1  # (ranks, 5, m)
+    signs = digits.reshape(stacked.shape[0], -1)[:, :n]
     return signs.sum(dim=0).sign().to(torch.float32) if vote else signs[0].to(torch.int8)
 
 
