@@ -335,16 +335,6 @@ def _natural_encode(flat, u):
     return torch.where(biased == 0xFF, Natural._NONFINITE, e | (negative << 7)).to(torch.uint8)
 
 
-@kernels.fused
-def _natural_decode(codes):
-    """The value of each code (as :func:`_natural_values`, computed instead of looked up)."""
-    c = codes.to(torch.int32)
-    e = c & 0x7F
-    magnitude = torch.where(e > 0, ((e + 63) << 23).view(torch.float32), 0.0)
-    value = torch.where((c & 0x80) != 0, -magnitude, magnitude)
-    return torch.where(c == Natural._NONFINITE, math.nan, value)
-
-
 @register
 class Natural(GatheredCompressor):
     """Natural compression (Horvath et al., 2019): unbiased stochastic rounding to a power of two.
@@ -397,9 +387,6 @@ class Natural(GatheredCompressor):
 
     def decompress(self, fields, ctx):
         (codes,) = fields
-        value = _natural_decode(codes) if kernels.enabled(codes.numel()) else None
-        if value is not None:
-            return value.reshape(ctx.shape)
         index = workspace("codes", codes.numel(), torch.int32, codes.device).copy_(codes)
         return torch.index_select(_natural_values(codes.device), 0, index).reshape(ctx.shape)
 

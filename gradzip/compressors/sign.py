@@ -33,24 +33,12 @@ ZEROS = ("abstain", "plus")
 TRITS_PER_BYTE = 5
 
 
-# -- fused kernels (gradzip.kernels) of the codecs below: the same codes and values, one loop each ---------
+# -- fused kernels (gradzip.kernels) of the encoders below: the same codes, one loop each ----------------
 
 
 @kernels.fused
 def _pack_signs(flat):
     return kernels.pack_codes(flat >= 0, 1)
-
-
-@kernels.fused
-def _unpack_signs(packed, n: int):
-    return kernels.unpack_codes(packed, 1, n).to(torch.float32) * 2 - 1
-
-
-@kernels.fused
-def _vote_bits(stacked, n: int):
-    """sign(2c - N) as float32, c = the +1 votes among the N rows of packed bits."""
-    bits = kernels.unpack_codes(stacked, 1, n)
-    return (bits.to(torch.int32).sum(dim=0) * 2 - stacked.shape[0]).sign().to(torch.float32)
 
 
 @kernels.fused
@@ -62,22 +50,6 @@ def _pack_trits(flat, m: int):
     for j in range(last - 1, -1, -1):
         packed = packed * 3 + codes[j * m:(j + 1) * m]
     return packed.to(torch.uint8)
-
-
-@kernels.fused
-def _vote_trits(stacked, n: int, vote: bool):
-    """The signs of one row of packed trits (int8), or the float32 sign of their sum over the rows."""
-    powers = torch.tensor([3**j for j in range(TRITS_PER_BYTE)], dtype=torch.int32, device=stacked.device)
-    digits = (stacked.to(torch.int32).unsqueeze(1) // powers.unsqueeze(1)) % 3 - 1  # (ranks, 5, m)
-    signs = digits.reshape(stacked.shape[0], -1)[:, :n]
-    return signs.sum(dim=0).sign().to(torch.float32) if vote else signs[0].to(torch.int8)
-
-
-@kernels.fused
-def _onebit_decode(packed, pos_mean, neg_mean, rows: int):
-    """M_ij = a_j where bit ij else b_j (a selection: the same values as :func:`gradzip.bits.select`)."""
-    bits = kernels.unpack_codes(packed, 1, rows * pos_mean.shape[0]).view(rows, -1)
-    return torch.where(bits != 0, pos_mean, neg_mean)
 
 
 def mean_abs(x: torch.Tensor) -> torch.Tensor:
@@ -100,11 +72,7 @@ def encode_signs(x: torch.Tensor) -> torch.Tensor:
 
 def decode_signs(packed: torch.Tensor, shape) -> torch.Tensor:
     """Inverse of :func:`encode_signs`: +1.0 / -1.0 as float32 with ``shape``."""
-    n = math.prod(shape)
-    signs = _unpack_signs(packed, n) if kernels.enabled(n) else None
-    if signs is not None:
-        return signs.reshape(shape)
-    bits = unpack_bits(packed, 1, n)
+    bits = unpack_bits(packed, 1, math.prod(shape))
     # 2b - 1 in int8 (exact), then one conversion: the same values as float(b) * 2 - 1.
     return bits.view(torch.int8).mul_(2).sub_(1).float().reshape(shape)
 
@@ -124,9 +92,6 @@ def vote_of_bits(gathered: list, shape) -> torch.Tensor:
     """:func:`majority_vote` of the ranks' packed sign bits, counted as integers: with c the number of
     +1 votes among N, sum_r s_r = 2c - N exactly, so sign(2c - N) is the same vote."""
     n, world = math.prod(shape), len(gathered)
-    vote = _vote_bits(torch.stack([f[0] for f in gathered]), n) if kernels.enabled(n) else None
-    if vote is not None:
-        return vote.reshape(shape)
     count = workspace("votes", n, torch.int16 if world < 2**14 else torch.int32, gathered[0][0].device)
     count.copy_(unpack_bits(gathered[0][0], 1, n))
     for (packed,) in gathered[1:]:
@@ -180,9 +145,6 @@ def _add_trits(out: torch.Tensor, packed: torch.Tensor, add: bool) -> None:
 
 def decode_trits(packed: torch.Tensor, n: int) -> torch.Tensor:
     """Inverse of :func:`encode_trits`: the first n signs, int8 in {-1, 0, +1}."""
-    signs = _vote_trits(packed.unsqueeze(0), n, False) if kernels.enabled(n) else None
-    if signs is not None:
-        return signs
     out = torch.empty(TRITS_PER_BYTE * packed.numel(), dtype=torch.int8, device=packed.device)
     _add_trits(out, packed, add=False)
     return out[:n]
@@ -191,9 +153,6 @@ def decode_trits(packed: torch.Tensor, n: int) -> torch.Tensor:
 def vote_of_trits(gathered: list, shape) -> torch.Tensor:
     """sign(sum_r t_r) of the ranks' packed ternary codes, counted as integers (float32; ties 0)."""
     n, world = math.prod(shape), len(gathered)
-    vote = _vote_trits(torch.stack(gathered), n, True) if kernels.enabled(n) else None
-    if vote is not None:
-        return vote.reshape(shape)
     dtype = torch.int8 if world < 2**7 else torch.int16 if world < 2**15 else torch.int32
     count = workspace("votes", TRITS_PER_BYTE * trits_nbytes(n), dtype, gathered[0].device)
     for r, packed in enumerate(gathered):
@@ -257,9 +216,6 @@ class OneBit(GatheredCompressor):
         pos_mean, neg_mean = means.view(2, -1)
         shape = self.matrix_shape(ctx.shape)
         numel = math.prod(shape)
-        value = _onebit_decode(packed, pos_mean, neg_mean, shape[0]) if kernels.enabled(numel) else None
-        if value is not None:
-            return value.reshape(ctx.shape)
         bits = unpack_bits(packed, 1, numel).view(torch.bool).view(shape)
         scratch = workspace("onebit.mask", numel, torch.int32, bits.device).view(shape)
         return select(bits, pos_mean, neg_mean, scratch=scratch).reshape(ctx.shape)
