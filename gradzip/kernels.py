@@ -7,7 +7,7 @@ once as a plain function of tensors, wraps it with :func:`fused`, and calls it o
 bit for bit (random draws come in as tensors, from the same private generators).
 
 - Tensors under :data:`MIN_NUMEL` elements keep the reference path: compiling costs seconds, once per
-  kernel and process (``dynamic=True``: one compile serves every size).
+  kernel and process (every tensor dimension is compiled symbolic, so one compile serves every size).
 - ``GRADZIP_FUSED=0`` in the environment forces the reference path.
 - If compiling or running a kernel fails (no C++ compiler, an Inductor error), gradzip warns once with
   the cause and uses the reference path for the rest of the process.
@@ -45,13 +45,14 @@ def _disable(exc: BaseException) -> None:
 
 
 class Kernel:
-    """A per-element function, compiled (``torch.compile(dynamic=True, fullgraph=True)``) on first call.
+    """A per-element function, compiled (``torch.compile(fullgraph=True)``) on first call.
 
-    ``kernel(*args, **static)``: sizes of ``args`` (and integers among them) stay symbolic, so one compile
-    serves every tensor size; keyword arguments are compiled in as constants (one compile per value),
-    which keeps index arithmetic such as ``i // bucket_size`` or bit shifts vectorisable.  Returns the
-    result, or None once fused kernels have failed in this process: the caller then takes its reference
-    path.
+    ``kernel(*args, **static)``: every dimension of the tensors in ``args`` is marked dynamic, so one
+    compile serves every tensor size (integers in ``args`` turn symbolic the first time they change:
+    one recompile).  Keyword arguments are compiled in as constants (one compile per value), which keeps
+    index arithmetic such as ``i // bucket_size`` and bit shifts vectorisable; ``dynamic=True`` would
+    make them symbolic too, and the loops scalar.  Returns the result, or None once fused kernels have
+    failed in this process: the caller then takes its reference path.
     """
 
     def __init__(self, fn: Callable):
@@ -66,7 +67,7 @@ class Kernel:
         try:
             if key not in self._compiled:
                 self._compiled[key] = torch.compile(_specialise(self.fn, static), fullgraph=True)
-            for arg in args:  # every size symbolic from the first compile (dynamic=True would make static too)
+            for arg in args:  # every size symbolic from the first compile
                 if isinstance(arg, torch.Tensor):
                     for dim in range(arg.dim()):
                         torch._dynamo.maybe_mark_dynamic(arg, dim)
