@@ -133,7 +133,7 @@ def test_a_failing_compiler_warns_once_and_falls_back_for_good(monkeypatch):
 
     monkeypatch.setattr(torch, "compile", no_compiler)
     # Fresh kernels (nothing compiled yet), as in a process without a compiler.
-    for attr in ("_qsgd_encode", "_qsgd_decode"):
+    for attr in ("_qsgd_encode", "_qsgd_mean"):
         monkeypatch.setattr(quantize, attr, kernels.fused(getattr(quantize, attr).fn))
     xs = inputs(1)
     with pytest.warns(RuntimeWarning, match="fused kernels are off") as caught:

@@ -114,11 +114,16 @@ def _qsgd_encode(flat, scale, u, *, s: int, bs: int, bits: int):
 
 
 @kernels.fused
-def _qsgd_decode(packed, step, n: int, *, bs: int, bits: int):
-    """Q = (sign * xi) * (||v|| / s) from packed codes (as :meth:`QSGD.decompress`, in one loop)."""
-    codes = kernels.unpack_codes(packed, bits, n).to(torch.int32)
-    value = (codes >> 1).to(torch.float32) * (1 - 2 * (codes & 1)).to(torch.float32)
-    return value * kernels.repeat_each(step, bs, n)
+def _qsgd_mean(packed, steps, n: int, *, bs: int, bits: int, world: int):
+    """The mean over rows (ranks) of Q = (sign * xi) * (||v|| / s), from packed codes and per-bucket
+    steps, summed in rank order and divided as :meth:`GatheredCompressor.combine` does, in one loop."""
+    total = None
+    for r in range(world):
+        codes = kernels.unpack_codes(packed[r], bits, n)
+        value = (codes >> 1).to(torch.float32) * (1 - 2 * (codes & 1)).to(torch.float32)
+        value = value * kernels.repeat_each(steps[r], bs, n)
+        total = value if total is None else total + value
+    return total / world
 
 
 @register
@@ -201,10 +206,9 @@ class QSGD(GatheredCompressor):
     def decompress(self, fields, ctx):
         norms, packed = fields
         n, s, bs = ctx.shape.numel(), self.levels, self.bucket_size
-        if 8 % self._bits == 0 and kernels.enabled(n):
-            value = _qsgd_decode(packed, norms.float() / s, n, bs=bs, bits=self._bits)
-            if value is not None:
-                return value.reshape(ctx.shape)
+        value = self.decoded_mean([fields], ctx)
+        if value is not None:
+            return value
         codes = unpack_bits(packed, self._bits, n)
         # Q = (||v|| / s) * sign * xi; a code's sign * xi is looked up (0 with the sign bit is -0.0, as
         # sign * 0), and (step * sign) * xi == (sign * xi) * step since sign is +-1.
@@ -219,6 +223,14 @@ class QSGD(GatheredCompressor):
         if full * bs < n:
             value[full * bs :].mul_(step[full])
         return value.reshape(ctx.shape)
+
+    def decoded_mean(self, gathered, ctx):
+        n = ctx.shape.numel()
+        if 8 % self._bits or not kernels.enabled(n):
+            return None
+        packed, steps = torch.stack([f[1] for f in gathered]), torch.stack([f[0].float() for f in gathered])
+        mean = _qsgd_mean(packed, steps / self.levels, n, bs=self.bucket_size, bits=self._bits, world=len(gathered))
+        return None if mean is None else mean.reshape(ctx.shape)
 
     def payload_bytes(self, ctx, kept=None):
         n = ctx.shape.numel()
@@ -335,6 +347,20 @@ def _natural_encode(flat, u):
     return torch.where(biased == 0xFF, Natural._NONFINITE, e | (negative << 7)).to(torch.uint8)
 
 
+@kernels.fused
+def _natural_mean(codes, *, world: int):
+    """The mean over rows (ranks) of the codes' values (as :func:`_natural_values`, computed instead of
+    looked up), summed in rank order and divided as :meth:`GatheredCompressor.combine` does."""
+    total = None
+    for r in range(world):
+        c = codes[r].to(torch.int32)
+        e = c & 0x7F
+        magnitude = torch.where(e > 0, ((e + 63) << 23).view(torch.float32), 0.0)
+        value = torch.where(c == Natural._NONFINITE, math.nan, torch.where((c & 0x80) != 0, -magnitude, magnitude))
+        total = value if total is None else total + value
+    return total / world
+
+
 @register
 class Natural(GatheredCompressor):
     """Natural compression (Horvath et al., 2019): unbiased stochastic rounding to a power of two.
@@ -389,6 +415,12 @@ class Natural(GatheredCompressor):
         (codes,) = fields
         index = workspace("codes", codes.numel(), torch.int32, codes.device).copy_(codes)
         return torch.index_select(_natural_values(codes.device), 0, index).reshape(ctx.shape)
+
+    def decoded_mean(self, gathered, ctx):
+        if not kernels.enabled(ctx.shape.numel()):
+            return None
+        mean = _natural_mean(torch.stack([f[0] for f in gathered]), world=len(gathered))
+        return None if mean is None else mean.reshape(ctx.shape)
 
     def payload_bytes(self, ctx, kept=None):
         return ctx.shape.numel()
