@@ -115,6 +115,20 @@ def test_nan_and_inf_as_the_reference(name, params, monkeypatch):
                      run(name, params, xs, monkeypatch, fused=False))
 
 
+@pytest.mark.parametrize("params", [{}, {"zeros": "plus", "beta": 0.99}])
+def test_signum_momentum_update(params, monkeypatch, calls):
+    x, m = inputs(2, seed=3)
+    results = []
+    for fused in (True, False):
+        monkeypatch.setenv("GRADZIP_FUSED", "1" if fused else "0")
+        ctx = TensorContext(key="w", shape=x.shape, dtype=x.dtype, step=1, state={"signum_momentum": m})
+        out = simulate([[make("signum", **params).exchange(x, ctx)]])[0][0]
+        results.append([(out.aggregate, ctx.updates["signum_momentum"])])
+    assert calls["n"] > 0
+    assert_same_bits(*results)
+    assert results[0][0][1].is_contiguous()
+
+
 def test_small_tensors_and_the_switch_keep_the_reference_path(monkeypatch, calls):
     small = [torch.randn(100, 7)]
     run("qsgd", {}, small, monkeypatch, fused=True)

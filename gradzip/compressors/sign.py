@@ -52,6 +52,11 @@ def _pack_trits(flat, m: int):
     return packed.to(torch.uint8)
 
 
+@kernels.fused
+def _momentum(m, x, *, beta: float):
+    return m * beta + x * (1 - beta)  # fp32, no fused multiply-add: the reference's roundings
+
+
 def mean_abs(x: torch.Tensor) -> torch.Tensor:
     """||x||_1 / n as a 1-element float32 tensor (0 for an empty tensor)."""
     # Sum / max(n, 1) instead of mean(): an empty tensor gets scale 0, not NaN.
@@ -334,13 +339,21 @@ class Signum(_SignVote):
         """Signum's momentum is this compressor's state: the optimizer must add none."""
         return True
 
+    def _momentum(self, m: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """beta * m + (1 - beta) * x (a fresh tensor: the committed m may still be read)."""
+        if all(t.dtype == torch.float32 and t.is_contiguous() for t in (m, x)) and kernels.enabled(x.numel()):
+            fused = _momentum(m, x, beta=self.beta)  # same layout, so mean_abs adds in the same order
+            if fused is not None:
+                return fused
+        step = torch.mul(x, 1 - self.beta, out=workspace("signum", x.numel(), x.dtype, x.device).view(x.shape))
+        return torch.mul(m, self.beta).add_(step)
+
     def signs_of(self, x, ctx):
         m = ctx.get(self.state_key)
         if m is None:
             m = (1 - self.beta) * x
         else:  # beta * m + (1 - beta) * x, rounded as written
-            step = torch.mul(x, 1 - self.beta, out=workspace("signum", x.numel(), x.dtype, x.device).view(x.shape))
-            m = torch.mul(m, self.beta).add_(step)
+            m = self._momentum(m, x)
         ctx.set(self.state_key, m)
         return m
 
