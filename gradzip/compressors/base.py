@@ -309,9 +309,17 @@ class GatheredCompressor(Compressor):
             total += part
         return total.div_(len(decoded))
 
+    def decoded_mean(self, gathered: list, ctx: TensorContext) -> Optional[torch.Tensor]:
+        """Optional fast path: ``combine`` of the decoded payloads in one step, with the same result; None
+        (the default) decodes each payload and combines them."""
+        return None
+
     def exchange(self, x, ctx):
         fields = self.compress(x, ctx)
         gathered = yield AllGather(tuple(fields), same_size=self.same_size)
+        aggregate = self.decoded_mean(gathered, ctx)
+        if aggregate is not None:  # this rank's own payload is decoded only if feedback asks for it
+            return Exchanged(aggregate, lambda: self.decompress(fields, ctx))
         decoded = [self.decompress(f, ctx) for f in gathered]
         return Exchanged(self.combine(decoded, ctx), decoded[ctx.rank])
 

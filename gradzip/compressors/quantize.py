@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from .. import kernels
 from ..bits import pack_bits, packed_nbytes, unpack_bits
 from .base import AllGather, AllReduce, Compressor, Exchanged, GatheredCompressor, TensorContext, workspace
 from .registry import register
@@ -25,9 +26,14 @@ def _round_up(p: torch.Tensor, ctx: TensorContext) -> torch.Tensor:
     (see :func:`workspace`): use it before the next ``yield``.
     """
     n, device = p.numel(), p.device
-    u = torch.rand(n, generator=ctx.generator(device, shared=False), device=device,
-                   out=workspace("uniform", n, torch.float32, device))
+    u = _uniforms(n, ctx, device)
     return torch.lt(u.view(p.shape), p, out=workspace("round_up", n, torch.bool, device).view(p.shape))
+
+
+def _uniforms(n: int, ctx: TensorContext, device: torch.device) -> torch.Tensor:
+    """n fp32 uniforms in [0, 1) from this worker's private stream (a reused buffer, as in _round_up)."""
+    return torch.rand(n, generator=ctx.generator(device, shared=False), device=device,
+                      out=workspace("uniform", n, torch.float32, device))
 
 
 @functools.lru_cache(maxsize=64)
@@ -97,6 +103,29 @@ def natural_reference(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(flat), out, float("nan")).reshape(x.shape)
 
 
+@kernels.fused
+def _qsgd_encode(flat, scale, u, *, s: int, bs: int, bits: int):
+    """QSGD's packed codes: ratio = |v_i| * (s / ||v||), xi = floor(ratio) + [u < frac(ratio)] clamped
+    to 0..s, code = 2 xi + [v_i < 0] (as :meth:`QSGD.compress`, in one loop)."""
+    ratio = flat.abs() * kernels.repeat_each(scale, bs, flat.shape[0])
+    xi = torch.floor(ratio) + (u < torch.frac(ratio)).to(ratio.dtype)
+    codes = xi.to(torch.int32).clamp(0, s) * 2 + (flat < 0).to(torch.int32)
+    return kernels.pack_codes(codes, bits)
+
+
+@kernels.fused
+def _qsgd_mean(packed, steps, n: int, *, bs: int, bits: int, world: int):
+    """The mean over rows (ranks) of Q = (sign * xi) * (||v|| / s), from packed codes and per-bucket
+    steps, summed in rank order and divided as :meth:`GatheredCompressor.combine` does, in one loop."""
+    total = None
+    for r in range(world):
+        codes = kernels.unpack_codes(packed[r], bits, n)
+        value = (codes >> 1).to(torch.float32) * (1 - 2 * (codes & 1)).to(torch.float32)
+        value = value * kernels.repeat_each(steps[r], bs, n)
+        total = value if total is None else total + value
+    return total / world
+
+
 @register
 class QSGD(GatheredCompressor):
     """QSGD (Alistarh et al., NeurIPS 2017), bucketed.
@@ -127,7 +156,14 @@ class QSGD(GatheredCompressor):
     def _buckets(self, n: int) -> int:
         return math.ceil(n / self.bucket_size)
 
+    def _fused(self, x: torch.Tensor) -> bool:
+        return x.dtype == torch.float32 and 8 % self._bits == 0 and kernels.enabled(x.numel())
+
     def compress(self, x, ctx):
+        if self._fused(x):
+            fields = self._compress_fused(x.reshape(-1), ctx)
+            if fields is not None:
+                return fields
         s, flat, bs = self.levels, x.reshape(-1), self.bucket_size
         n = flat.numel()
         padded = self._buckets(n) * bs
@@ -149,9 +185,30 @@ class QSGD(GatheredCompressor):
         negative = torch.lt(flat, 0, out=workspace("round_up", n, torch.bool, flat.device))
         return norms.float(), pack_bits(codes.mul_(2).add_(negative), self._bits)
 
+    def _compress_fused(self, flat: torch.Tensor, ctx: TensorContext) -> Optional[tuple]:
+        """:meth:`compress` in one kernel after the norms: the same draws, norms and codes."""
+        n, bs = flat.numel(), self.bucket_size
+        full = n // bs
+        whole = flat[: full * bs].view(full, bs)
+        tail = workspace("qsgd.v", bs, flat.dtype, flat.device)[: bs * (full * bs < n)].view(-1, bs)
+        if tail.numel():  # the last bucket, zero padded as in compress
+            tail[0, : n - full * bs].copy_(flat[full * bs:])
+            tail[0, n - full * bs:].zero_()
+        if self.norm == "l2":
+            norms = torch.cat([torch.linalg.vector_norm(whole, dim=1), torch.linalg.vector_norm(tail, dim=1)])
+        else:
+            norms = torch.cat([whole.abs().amax(dim=1), tail.abs().amax(dim=1)])
+        scale = torch.where(norms > 0, self.levels / norms, 0.0)
+        u = _uniforms(self._buckets(n) * bs, ctx, flat.device)[:n]
+        packed = _qsgd_encode(flat, scale, u, s=self.levels, bs=bs, bits=self._bits)
+        return None if packed is None else (norms.float(), packed)
+
     def decompress(self, fields, ctx):
         norms, packed = fields
         n, s, bs = ctx.shape.numel(), self.levels, self.bucket_size
+        value = self.decoded_mean([fields], ctx)
+        if value is not None:
+            return value
         codes = unpack_bits(packed, self._bits, n)
         # Q = (||v|| / s) * sign * xi; a code's sign * xi is looked up (0 with the sign bit is -0.0, as
         # sign * 0), and (step * sign) * xi == (sign * xi) * step since sign is +-1.
@@ -167,9 +224,46 @@ class QSGD(GatheredCompressor):
             value[full * bs :].mul_(step[full])
         return value.reshape(ctx.shape)
 
+    def decoded_mean(self, gathered, ctx):
+        n = ctx.shape.numel()
+        if 8 % self._bits or not kernels.enabled(n):
+            return None
+        packed, steps = torch.stack([f[1] for f in gathered]), torch.stack([f[0].float() for f in gathered])
+        mean = _qsgd_mean(packed, steps / self.levels, n, bs=self.bucket_size, bits=self._bits, world=len(gathered))
+        return None if mean is None else mean.reshape(ctx.shape)
+
     def payload_bytes(self, ctx, kept=None):
         n = ctx.shape.numel()
         return 4 * self._buckets(n) + packed_nbytes(n, self._bits)
+
+
+@kernels.fused
+def _terngrad_encode(g, bound, s, u):
+    """TernGrad's packed codes t + 1 of clip(g) (as :meth:`TernGrad._codes` and ``pack_bits``, one loop)."""
+    g = torch.clamp(g, -bound, bound)
+    up = u < g.abs() / s.clamp_min(torch.finfo(torch.float32).tiny)
+    codes = ((g > 0) & up).to(torch.uint8) * 2 + 1 - up.to(torch.uint8)
+    return kernels.pack_codes(codes, 2)
+
+
+@kernels.fused
+def _terngrad_decode(stacked, s, n: int):
+    """s * mean_r t_r from the ranks' packed codes, one row per rank (sums of +-1 and 0 are exact)."""
+    codes = kernels.unpack_codes(stacked, 2, n)
+    return (codes.to(torch.float32) - 1).sum(dim=0) * s / stacked.shape[0]
+
+
+def _ternary_mean(packed: list, s: torch.Tensor, n: int) -> torch.Tensor:
+    """s * mean_r (t_r) of the ranks' packed TernGrad codes t + 1, in rank order."""
+    if kernels.enabled(n):
+        mean = _terngrad_decode(torch.stack(packed), s, n)
+        if mean is not None:
+            return mean
+    # (t + 1) - 1 is exact in float32 (and 1 - 1 is +0.0, as where(..., 0.0) gave).
+    total = unpack_bits(packed[0], 2, n).float().sub_(1)
+    for codes in packed[1:]:
+        total += unpack_bits(codes, 2, n).float().sub_(1)
+    return total.mul_(s).div_(len(packed))
 
 
 @register
@@ -202,35 +296,69 @@ class TernGrad(Compressor):
     def exchange(self, x, ctx):
         g = x.reshape(-1).float()
         n = g.numel()
+        fused = kernels.enabled(n)  # the fused kernel clips g itself: max|clip(g)| = clip(max|g|)
+        bound = None
         if self.clip is not None and n:
             square = torch.square(g, out=workspace("terngrad.square", n, g.dtype, g.device))
             bound = self.clip * square.mean().sqrt()
-            g = torch.clamp(g, -bound, bound)
+            g = g if fused else torch.clamp(g, -bound, bound)
         # max|g| from the two ends (one read, no |g| temporary): the same value, NaN included.
         if n:
             low, high = torch.aminmax(g)
+            if fused and bound is not None:
+                low, high = low.clamp(-bound, bound), high.clamp(-bound, bound)
             s_local = torch.maximum(low.abs(), high.abs()).reshape(1)
         else:
             s_local = g.new_zeros(1)
         s = yield AllReduce(s_local, op="max")
+        clip = bound if bound is not None else torch.tensor(math.inf, device=g.device)
+        packed = _terngrad_encode(g, clip, s, _uniforms(n, ctx, g.device)) if fused else None
+        if packed is None:
+            packed = pack_bits(self._codes(torch.clamp(g, -clip, clip) if fused else g, s, ctx), 2)
+        gathered = yield AllGather((packed,), same_size=True)
+        aggregate = _ternary_mean([f[0] for f in gathered], s, n)  # rank order: the same floats everywhere
+        return Exchanged(aggregate.reshape(ctx.shape), lambda: _ternary_mean([packed], s, n).reshape(ctx.shape))
+
+    @staticmethod
+    def _codes(g: torch.Tensor, s: torch.Tensor, ctx: TensorContext) -> torch.Tensor:
+        """t + 1 in {0, 1, 2} with P(t = sign(g_i)) = |g_i| / s, else t = 0."""
+        n = g.numel()
         # s == 0 means g == 0 everywhere: the clamp turns 0/0 into probability 0 instead of NaN.
         p = torch.abs(g, out=workspace("terngrad.p", n, g.dtype, g.device)).div_(s.clamp_min(torch.finfo(torch.float32).tiny))
         up = _round_up(p, ctx)
         # t = sign(g) where rounded up, else 0, sent as t + 1 in {0, 1, 2}.  up implies |g| > 0 (u < 0 never
         # holds), so t + 1 = 1 + up * (2 [g > 0] - 1) = 1 - up + 2 (up and g > 0).
         positive = torch.gt(g, 0, out=workspace("terngrad.positive", n, torch.bool, g.device)).logical_and_(up)
-        codes = positive.to(torch.uint8).mul_(2).add_(1).sub_(up.view(torch.uint8))
-        gathered = yield AllGather((pack_bits(codes, 2),), same_size=True)
-        # (t + 1) - 1 is exact in float32 (and 1 - 1 is +0.0, as where(..., 0.0) gave).
-        total = unpack_bits(gathered[0][0], 2, n).float().sub_(1)
-        for (packed,) in gathered[1:]:  # rank order: identical float sums on every rank
-            total += unpack_bits(packed, 2, n).float().sub_(1)
-        aggregate = total.mul_(s).div_(ctx.world_size)
-        sent = lambda: (s * codes.float().sub_(1)).reshape(ctx.shape)  # noqa: E731
-        return Exchanged(aggregate.reshape(ctx.shape), sent)
+        return positive.to(torch.uint8).mul_(2).add_(1).sub_(up.view(torch.uint8))
 
     def payload_bytes(self, ctx, kept=None):
         return 4 + packed_nbytes(ctx.shape.numel(), 2)
+
+
+@kernels.fused
+def _natural_encode(flat, u):
+    """Natural compression's codes from the fp32 bit pattern (as :meth:`Natural.compress`, one loop)."""
+    bits = flat.view(torch.int32)
+    biased = (bits >> 23) & 0xFF
+    tiny = biased < 64
+    p = torch.where(tiny, flat.abs() * 2.0**63, (bits & 0x7FFFFF).to(torch.float32) * 2.0**-23)
+    e = ((biased - 63).clamp(min=0) + (u < p).to(torch.int32)).clamp(max=127)
+    negative = ((bits < 0) & (e > 0)).to(torch.int32)
+    return torch.where(biased == 0xFF, Natural._NONFINITE, e | (negative << 7)).to(torch.uint8)
+
+
+@kernels.fused
+def _natural_mean(codes, *, world: int):
+    """The mean over rows (ranks) of the codes' values (as :func:`_natural_values`, computed instead of
+    looked up), summed in rank order and divided as :meth:`GatheredCompressor.combine` does."""
+    total = None
+    for r in range(world):
+        c = codes[r].to(torch.int32)
+        e = c & 0x7F
+        magnitude = torch.where(e > 0, ((e + 63) << 23).view(torch.float32), 0.0)
+        value = torch.where(c == Natural._NONFINITE, math.nan, torch.where((c & 0x80) != 0, -magnitude, magnitude))
+        total = value if total is None else total + value
+    return total / world
 
 
 @register
@@ -256,6 +384,9 @@ class Natural(GatheredCompressor):
     def compress(self, x, ctx):
         flat = x.reshape(-1).float().contiguous()
         n, device = flat.numel(), flat.device
+        codes = _natural_encode(flat, _uniforms(n, ctx, device)) if kernels.enabled(n) else None
+        if codes is not None:
+            return (codes,)
         bits = flat.view(torch.int32)
         biased = torch.bitwise_right_shift(bits, 23, out=workspace("natural.exp", n, torch.int32, device))
         biased.bitwise_and_(0xFF)  # a + 127: |x| in [2^a, 2^(a+1)) for normal floats
@@ -284,6 +415,12 @@ class Natural(GatheredCompressor):
         (codes,) = fields
         index = workspace("codes", codes.numel(), torch.int32, codes.device).copy_(codes)
         return torch.index_select(_natural_values(codes.device), 0, index).reshape(ctx.shape)
+
+    def decoded_mean(self, gathered, ctx):
+        if not kernels.enabled(ctx.shape.numel()):
+            return None
+        mean = _natural_mean(torch.stack([f[0] for f in gathered]), world=len(gathered))
+        return None if mean is None else mean.reshape(ctx.shape)
 
     def payload_bytes(self, ctx, kept=None):
         return ctx.shape.numel()

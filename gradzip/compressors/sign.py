@@ -23,6 +23,7 @@ from typing import Optional
 
 import torch
 
+from .. import kernels
 from ..bits import pack_bits, packed_nbytes, select, unpack_bits
 from .base import AllGather, Exchanged, GatheredCompressor, TensorContext, workspace
 from .registry import register
@@ -30,6 +31,30 @@ from .registry import register
 #: How signSGD/Signum read an exact zero: "abstain" (sign 0, ternary code) or "plus" (sign +1, one bit).
 ZEROS = ("abstain", "plus")
 TRITS_PER_BYTE = 5
+
+
+# -- fused kernels (gradzip.kernels) of the encoders below: the same codes, one loop each ----------------
+
+
+@kernels.fused
+def _pack_signs(flat):
+    return kernels.pack_codes(flat >= 0, 1)
+
+
+@kernels.fused
+def _pack_trits(flat, m: int):
+    n = flat.shape[0]
+    codes = 1 + (flat > 0).to(torch.int32) - (flat < 0).to(torch.int32)  # int32: see kernels.pack_codes
+    last = TRITS_PER_BYTE - 1  # the only plane with padding codes (0), padded apart: see pack_codes
+    packed = torch.nn.functional.pad(codes[last * m:], (0, TRITS_PER_BYTE * m - n))
+    for j in range(last - 1, -1, -1):
+        packed = packed * 3 + codes[j * m:(j + 1) * m]
+    return packed.to(torch.uint8)
+
+
+@kernels.fused
+def _momentum(m, x, *, beta: float):
+    return m * beta + x * (1 - beta)  # fp32, no fused multiply-add: the reference's roundings
 
 
 def mean_abs(x: torch.Tensor) -> torch.Tensor:
@@ -44,6 +69,9 @@ def mean_abs(x: torch.Tensor) -> torch.Tensor:
 def encode_signs(x: torch.Tensor) -> torch.Tensor:
     """Packed sign bits of ``x`` (bit 1 for x >= 0), ceil(numel / 8) uint8 bytes."""
     flat = x.reshape(-1)
+    packed = _pack_signs(flat) if kernels.enabled(flat.numel()) else None
+    if packed is not None:
+        return packed
     return pack_bits(torch.ge(flat, 0, out=workspace("signs", flat.numel(), torch.bool, flat.device)), 1)
 
 
@@ -87,6 +115,9 @@ def encode_trits(x: torch.Tensor) -> torch.Tensor:
     flat = x.reshape(-1)
     n, device = flat.numel(), flat.device
     m = trits_nbytes(n)
+    packed = _pack_trits(flat, m) if kernels.enabled(n) else None
+    if packed is not None:
+        return packed
     codes = workspace("trits", TRITS_PER_BYTE * m, torch.uint8, device)
     codes[n:].zero_()  # at most four padding codes, never read back
     # torch.sign and one conversion: twice as fast on CPUs as the two comparisons x > 0, x >= 0.
@@ -308,13 +339,21 @@ class Signum(_SignVote):
         """Signum's momentum is this compressor's state: the optimizer must add none."""
         return True
 
+    def _momentum(self, m: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """beta * m + (1 - beta) * x (a fresh tensor: the committed m may still be read)."""
+        if all(t.dtype == torch.float32 and t.is_contiguous() for t in (m, x)) and kernels.enabled(x.numel()):
+            fused = _momentum(m, x, beta=self.beta)  # same layout, so mean_abs adds in the same order
+            if fused is not None:
+                return fused
+        step = torch.mul(x, 1 - self.beta, out=workspace("signum", x.numel(), x.dtype, x.device).view(x.shape))
+        return torch.mul(m, self.beta).add_(step)
+
     def signs_of(self, x, ctx):
         m = ctx.get(self.state_key)
         if m is None:
             m = (1 - self.beta) * x
         else:  # beta * m + (1 - beta) * x, rounded as written
-            step = torch.mul(x, 1 - self.beta, out=workspace("signum", x.numel(), x.dtype, x.device).view(x.shape))
-            m = torch.mul(m, self.beta).add_(step)
+            m = self._momentum(m, x)
         ctx.set(self.state_key, m)
         return m
 

@@ -1,0 +1,133 @@
+"""Fused kernels: a compressor's per-element work compiled into one or two loops by ``torch.compile``.
+
+The compressors' reference paths chain tensor operations, each a pass over memory; Inductor fuses a
+whole chain into one vectorised C++/OpenMP loop on CPUs (Triton on GPUs).  A compressor writes the chain
+once as a plain function of tensors, wraps it with :func:`fused`, and calls it only where
+:func:`enabled` says so; the reference path stays the definition, and the fused one is tested against it
+bit for bit (random draws come in as tensors, from the same private generators).
+
+- Tensors under :data:`MIN_NUMEL` elements keep the reference path: compiling costs seconds, once per
+  kernel and process (every tensor dimension is compiled symbolic, so one compile serves every size).
+- ``GRADZIP_FUSED=0`` in the environment forces the reference path.
+- If compiling or running a kernel fails (no C++ compiler, an Inductor error), gradzip warns once with
+  the cause and uses the reference path for the rest of the process.
+
+This module sits beside :mod:`gradzip.bits`: it imports only torch.
+"""
+from __future__ import annotations
+
+import os
+import types
+import warnings
+from typing import Callable, Optional
+
+import torch
+
+__all__ = ["MIN_NUMEL", "Kernel", "fused", "enabled", "pack_codes", "unpack_codes", "repeat_each"]
+
+#: The smallest tensor (elements) that takes a fused path.
+MIN_NUMEL = 1 << 16
+
+_failure: Optional[str] = None  # why fused kernels are off for this process, once they failed
+
+
+def enabled(numel: int) -> bool:
+    """Whether a tensor of ``numel`` elements should take the fused path."""
+    return numel >= MIN_NUMEL and _failure is None and os.environ.get("GRADZIP_FUSED", "1") != "0"
+
+
+def _disable(exc: BaseException) -> None:
+    global _failure
+    lines = str(exc).strip().splitlines()
+    _failure = f"{type(exc).__name__}: {lines[0] if lines else ''}"[:200]
+    warnings.warn(f"gradzip: fused kernels are off for this process, using the reference path ({_failure})",
+                  RuntimeWarning, stacklevel=3)
+
+
+class Kernel:
+    """A per-element function, compiled (``torch.compile(fullgraph=True)``) on first call.
+
+    ``kernel(*args, **static)``: every dimension of the tensors in ``args`` is marked dynamic, so one
+    compile serves every tensor size (integers in ``args`` turn symbolic the first time they change:
+    one recompile).  Keyword arguments are compiled in as constants (one compile per value), which keeps
+    index arithmetic such as ``i // bucket_size`` and bit shifts vectorisable; ``dynamic=True`` would
+    make them symbolic too, and the loops scalar.  Returns the result, or None once fused kernels have
+    failed in this process: the caller then takes its reference path.
+    """
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+        self.__name__ = getattr(fn, "__name__", "kernel")
+        self._compiled: dict = {}
+
+    def __call__(self, *args, **static):
+        if _failure is not None:
+            return None
+        key = tuple(sorted(static.items()))
+        try:
+            if key not in self._compiled:
+                self._compiled[key] = torch.compile(_specialise(self.fn, static), fullgraph=True)
+            for arg in args:  # every size symbolic from the first compile
+                if isinstance(arg, torch.Tensor):
+                    for dim in range(arg.dim()):
+                        torch._dynamo.maybe_mark_dynamic(arg, dim)
+            return self._compiled[key](*args)
+        except Exception as exc:  # noqa: BLE001 - any compiler failure means: use the reference path
+            _disable(exc)
+            return None
+
+
+def _specialise(fn: Callable, static: dict) -> Callable:
+    """``fn`` with ``static`` bound (read from a closure, so compiled in as constants), under a code
+    object of its own: torch.compile keeps its caches and recompile limit per code object."""
+    def specialised(*args):
+        return fn(*args, **static)
+
+    suffix = "_".join(f"{k}{v}" for k, v in sorted(static.items()))
+    code = specialised.__code__.replace(co_name=f"{getattr(fn, '__name__', 'kernel')}_{suffix}")
+    return types.FunctionType(code, specialised.__globals__, code.co_name, None, specialised.__closure__)
+
+
+def fused(fn: Callable) -> Kernel:
+    """Decorator: ``fn``'s tensor operations become one compiled kernel (see :class:`Kernel`)."""
+    return Kernel(fn)
+
+
+# -- bit packing inside a kernel: the layout of gradzip.bits.pack_bits, for 8 % bits == 0 ---------------
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes (1-D, each < 2**bits, ``8 % bits == 0``) packed little-endian into uint8, as ``pack_bits``.
+
+    The whole bytes and the zero-padded last byte are packed apart: padding the whole input would put a
+    bounds check on every load, which Inductor does not vectorise.
+    """
+    per_byte = 8 // bits
+    n = codes.shape[0]
+    whole = n // per_byte * per_byte
+    codes = codes.to(torch.int32)  # 8-bit lanes vectorise poorly: uint8 only for the result
+    tail = torch.nn.functional.pad(codes[whole:], (0, (per_byte - n % per_byte) % per_byte))
+    packed = torch.cat([_or_codes(codes[:whole].view(-1, per_byte), bits), _or_codes(tail.view(-1, per_byte), bits)])
+    return packed.to(torch.uint8)
+
+
+def _or_codes(grouped: torch.Tensor, bits: int) -> torch.Tensor:
+    packed = grouped[:, 0]
+    for j in range(1, grouped.shape[1]):
+        packed = packed | (grouped[:, j] << (j * bits))
+    return packed
+
+
+def repeat_each(values: torch.Tensor, times: int, n: int) -> torch.Tensor:
+    """``values.repeat_interleave(times)[:n]`` as a broadcast view (no copy, no bounds checks)."""
+    return values.unsqueeze(1).expand(-1, times).reshape(-1)[:n]
+
+
+def unpack_codes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_codes`: the first ``n`` codes of each row of ``packed``, int32.
+
+    A broadcast shift rather than a stack of planes, so that the codes are never materialised.
+    """
+    shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=packed.device)
+    codes = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    return codes.reshape(*packed.shape[:-1], -1)[..., :n]

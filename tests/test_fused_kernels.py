@@ -1,0 +1,163 @@
+"""The fused kernels (gradzip.kernels) give the reference paths' results bit for bit, and fall back to them.
+
+Tensors just above ``kernels.MIN_NUMEL`` take the fused paths (sizes divisible by none of 4, 5, 8 or
+QSGD's bucket size, so every padded tail is exercised); ``GRADZIP_FUSED=0`` gives the reference path in
+the same process, from the same private random draws.  Each kernel compiles once per process and
+specialisation (a few seconds each), so the cases here are few and small.
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from gradzip import kernels
+from gradzip.collectives import simulate
+from gradzip.compressors import make, quantize
+from gradzip.compressors.base import TensorContext
+
+SHAPE = (256, 257)  # 65,792 elements: just above MIN_NUMEL
+
+CASES = [
+    ("qsgd", {}),
+    ("qsgd", {"levels": 7, "norm": "max"}),
+    ("terngrad", {}),
+    ("terngrad", {"clip": None}),
+    ("natural", {}),
+    ("efsignsgd", {}),
+    ("signsgd", {}),
+    ("signsgd", {"zeros": "plus"}),
+    ("signum", {}),
+    ("signum", {"zeros": "plus", "scaled": False}),
+]
+IDS = [f"{name}-{'-'.join(f'{k}={v}' for k, v in params.items())}" for name, params in CASES]
+
+
+def inputs(world, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    xs = [(torch.randn(SHAPE, generator=gen) * 0.01).to(dtype) for _ in range(world)]
+    xs[0][0, :4] = torch.tensor([0.0, -0.0, 1e-30, -1e-40])  # zeros of both signs, tiny and subnormal
+    if world > 1:
+        xs[1][:3] = 0  # whole rows of zeros on one rank: abstentions and ties in the votes
+    return xs
+
+
+def run(name, params, xs, monkeypatch, fused, step=5):
+    """Every rank's (aggregate, sent) of one exchange, with the fused path on or off."""
+    monkeypatch.setenv("GRADZIP_FUSED", "1" if fused else "0")
+    comp = make(name, **params)
+    ctxs = [TensorContext(key="w", shape=x.shape, dtype=x.dtype, step=step, rank=r, world_size=len(xs))
+            for r, x in enumerate(xs)]
+    outs = [out[0] for out in simulate([[comp.exchange(x, c)] for x, c in zip(xs, ctxs)])]
+    return [(o.aggregate, o.sent) for o in outs]
+
+
+def bits_of(t):
+    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def assert_same_bits(got, expected):
+    for pair_got, pair_expected in zip(got, expected):
+        for a, b in zip(pair_got, pair_expected):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            nan = torch.isnan(a)
+            assert torch.equal(nan, torch.isnan(b))  # NaNs where the reference has them (any payload)
+            assert torch.equal(bits_of(a)[~nan], bits_of(b)[~nan])
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Counts the fused kernels' calls."""
+    count = {"n": 0}
+    original = kernels.Kernel.__call__
+
+    def counted(self, *args, **static):
+        count["n"] += 1
+        return original(self, *args, **static)
+
+    monkeypatch.setattr(kernels.Kernel, "__call__", counted)
+    return count
+
+
+@pytest.mark.parametrize("world", [1, 3])
+@pytest.mark.parametrize("name, params", CASES, ids=IDS)
+def test_fused_equals_reference_bit_for_bit(name, params, world, monkeypatch, calls):
+    xs = inputs(world)
+    fused = run(name, params, xs, monkeypatch, fused=True)
+    assert calls["n"] > 0 and kernels._failure is None
+    assert_same_bits(fused, run(name, params, xs, monkeypatch, fused=False))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", ["qsgd", "terngrad", "natural", "efsignsgd", "signsgd"])
+def test_half_precision_inputs(name, dtype, monkeypatch):
+    xs = inputs(2, dtype)
+    assert_same_bits(run(name, {}, xs, monkeypatch, fused=True), run(name, {}, xs, monkeypatch, fused=False))
+
+
+@pytest.mark.parametrize("name", ["qsgd", "natural", "efsignsgd", "signsgd"])
+def test_non_contiguous_inputs(name, monkeypatch):
+    xs = [x.t() for x in inputs(2, seed=1)]
+    assert not xs[0].is_contiguous()
+    assert_same_bits(run(name, {}, xs, monkeypatch, fused=True), run(name, {}, xs, monkeypatch, fused=False))
+
+
+@pytest.mark.parametrize("name, params", [("qsgd", {}), ("terngrad", {}), ("terngrad", {"clip": None}),
+                                          ("natural", {}), ("efsignsgd", {}),
+                                          ("signsgd", {"zeros": "plus"})])
+def test_nan_and_inf_as_the_reference(name, params, monkeypatch):
+    # Ternary sign codes leave NaN's code unspecified, so zeros="abstain" is not compared here.
+    xs = inputs(2, seed=2)
+    xs[0][5, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    xs[1][7, 9] = float("inf")
+    assert_same_bits(run(name, params, xs, monkeypatch, fused=True),
+                     run(name, params, xs, monkeypatch, fused=False))
+
+
+@pytest.mark.parametrize("params", [{}, {"zeros": "plus", "beta": 0.99}])
+def test_signum_momentum_update(params, monkeypatch, calls):
+    x, m = inputs(2, seed=3)
+    results = []
+    for fused in (True, False):
+        monkeypatch.setenv("GRADZIP_FUSED", "1" if fused else "0")
+        ctx = TensorContext(key="w", shape=x.shape, dtype=x.dtype, step=1, state={"signum_momentum": m})
+        out = simulate([[make("signum", **params).exchange(x, ctx)]])[0][0]
+        results.append([(out.aggregate, ctx.updates["signum_momentum"])])
+    assert calls["n"] > 0
+    assert_same_bits(*results)
+    assert results[0][0][1].is_contiguous()
+
+
+def test_small_tensors_and_the_switch_keep_the_reference_path(monkeypatch, calls):
+    small = [torch.randn(100, 7)]
+    run("qsgd", {}, small, monkeypatch, fused=True)
+    assert calls["n"] == 0
+    run("qsgd", {}, inputs(1), monkeypatch, fused=False)  # GRADZIP_FUSED=0
+    assert calls["n"] == 0 and not kernels.enabled(kernels.MIN_NUMEL)
+    monkeypatch.setenv("GRADZIP_FUSED", "1")
+    assert not kernels.enabled(kernels.MIN_NUMEL - 1) and kernels.enabled(kernels.MIN_NUMEL)
+
+
+def test_a_failing_compiler_warns_once_and_falls_back_for_good(monkeypatch):
+    monkeypatch.setattr(kernels, "_failure", None)  # restored afterwards: other tests keep fused paths
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found\nmore detail")
+
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    # Fresh kernels (nothing compiled yet), as in a process without a compiler.
+    for attr in ("_qsgd_encode", "_qsgd_mean"):
+        monkeypatch.setattr(quantize, attr, kernels.fused(getattr(quantize, attr).fn))
+    xs = inputs(1)
+    with pytest.warns(RuntimeWarning, match="fused kernels are off") as caught:
+        got = run("qsgd", {}, xs, monkeypatch, fused=True)
+    assert len(caught) == 1 and "\n" not in str(caught[0].message)
+    assert "No working C++ compiler" in str(caught[0].message)
+    assert not kernels.enabled(kernels.MIN_NUMEL)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second warning
+        again = run("qsgd", {}, xs, monkeypatch, fused=True)
+    expected = run("qsgd", {}, xs, monkeypatch, fused=False)
+    assert_same_bits(got, expected)
+    assert_same_bits(again, expected)
