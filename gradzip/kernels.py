@@ -6,8 +6,11 @@ once as a plain function of tensors, wraps it with :func:`fused`, and calls it o
 :func:`enabled` says so; the reference path stays the definition, and the fused one is tested against it
 bit for bit (random draws come in as tensors, from the same private generators).
 
-- Tensors under :data:`MIN_NUMEL` elements keep the reference path: compiling costs seconds, once per
-  kernel and process (every tensor dimension is compiled symbolic, so one compile serves every size).
+- Compiling costs seconds, once per kernel and process (about 5 s for the first kernel of a process on
+  a 2-core CPU, Inductor's disk cache warm; every tensor dimension is compiled symbolic, so one compile
+  serves every size).  So a kernel runs only on tensors large enough that its saving repays that within
+  a few hundred steps: ``min_numel`` elements (:data:`MIN_NUMEL`, or :data:`LARGE_NUMEL` for kernels
+  that save little per element, such as sign packing); smaller tensors keep the reference path.
 - ``GRADZIP_FUSED=0`` in the environment forces the reference path.
 - If compiling or running a kernel fails (no C++ compiler, an Inductor error), gradzip warns once with
   the cause and uses the reference path for the rest of the process.
@@ -23,10 +26,16 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["MIN_NUMEL", "Kernel", "fused", "enabled", "pack_codes", "unpack_codes", "repeat_each"]
+__all__ = ["MIN_NUMEL", "LARGE_NUMEL", "KERNELS", "Kernel", "fused", "enabled", "pack_codes", "unpack_codes",
+           "repeat_each"]
 
-#: The smallest tensor (elements) that takes a fused path.
-MIN_NUMEL = 1 << 16
+#: The smallest tensor (elements) that takes a fused path: QSGD saves about 35 passes over 2^20
+#: elements, some 15 ms a step here, which repays a 5 s compile in a few hundred steps.
+MIN_NUMEL = 1 << 20
+#: The same for kernels that save about one pass (sign packing, Signum's momentum).
+LARGE_NUMEL = 1 << 24
+#: Every kernel made by :func:`fused` (tests lower their thresholds to run them on small tensors).
+KERNELS: list = []
 
 _failure: Optional[str] = None  # why fused kernels are off for this process, once they failed
 
@@ -51,17 +60,20 @@ class Kernel:
     compile serves every tensor size (integers in ``args`` turn symbolic the first time they change:
     one recompile).  Keyword arguments are compiled in as constants (one compile per value), which keeps
     index arithmetic such as ``i // bucket_size`` and bit shifts vectorisable; ``dynamic=True`` would
-    make them symbolic too, and the loops scalar.  Returns the result, or None once fused kernels have
-    failed in this process: the caller then takes its reference path.
+    make them symbolic too, and the loops scalar.  Returns the result, or None for tensors under
+    ``min_numel`` or once fused kernels have failed in this process: the caller then takes its
+    reference path.
     """
 
-    def __init__(self, fn: Callable):
+    def __init__(self, fn: Callable, min_numel: int = MIN_NUMEL):
         self.fn = fn
+        self.min_numel = min_numel
         self.__name__ = getattr(fn, "__name__", "kernel")
         self._compiled: dict = {}
+        KERNELS.append(self)
 
     def __call__(self, *args, **static):
-        if _failure is not None:
+        if _failure is not None or max(a.numel() for a in args if isinstance(a, torch.Tensor)) < self.min_numel:
             return None
         key = tuple(sorted(static.items()))
         try:
@@ -88,9 +100,12 @@ def _specialise(fn: Callable, static: dict) -> Callable:
     return types.FunctionType(code, specialised.__globals__, code.co_name, None, specialised.__closure__)
 
 
-def fused(fn: Callable) -> Kernel:
-    """Decorator: ``fn``'s tensor operations become one compiled kernel (see :class:`Kernel`)."""
-    return Kernel(fn)
+def fused(fn: Optional[Callable] = None, *, min_numel: int = MIN_NUMEL):
+    """Decorator, bare or with ``min_numel``: ``fn``'s tensor operations become one compiled kernel (see
+    :class:`Kernel`), run on tensors of at least ``min_numel`` elements."""
+    if fn is None:
+        return lambda f: Kernel(f, min_numel)
+    return Kernel(fn, min_numel)
 
 
 # -- bit packing inside a kernel: the layout of gradzip.bits.pack_bits, for 8 % bits == 0 ---------------

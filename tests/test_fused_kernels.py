@@ -1,6 +1,7 @@
 """The fused kernels (gradzip.kernels) give the reference paths' results bit for bit, and fall back to them.
 
-Tensors just above ``kernels.MIN_NUMEL`` take the fused paths (sizes divisible by none of 4, 5, 8 or
+With the thresholds lowered to 2^16 elements (the defaults, 2^20 and 2^24, would make these tests slow),
+tensors just above that take the fused paths (sizes divisible by none of 4, 5, 8 or
 QSGD's bucket size, so every padded tail is exercised); ``GRADZIP_FUSED=0`` gives the reference path in
 the same process, from the same private random draws.  Each kernel compiles once per process and
 specialisation (a few seconds each), so the cases here are few and small.
@@ -17,7 +18,8 @@ from gradzip.collectives import simulate
 from gradzip.compressors import make, quantize
 from gradzip.compressors.base import TensorContext
 
-SHAPE = (256, 257)  # 65,792 elements: just above MIN_NUMEL
+SHAPE = (256, 257)  # 65,792 elements: just above the lowered threshold
+LOWERED = 1 << 16
 
 CASES = [
     ("qsgd", {}),
@@ -64,6 +66,26 @@ def assert_same_bits(got, expected):
             nan = torch.isnan(a)
             assert torch.equal(nan, torch.isnan(b))  # NaNs where the reference has them (any payload)
             assert torch.equal(bits_of(a)[~nan], bits_of(b)[~nan])
+
+
+@pytest.fixture(autouse=True)
+def lowered_thresholds(monkeypatch):
+    defaults = {k: k.min_numel for k in kernels.KERNELS}
+    monkeypatch.setattr(kernels, "MIN_NUMEL", LOWERED)
+    for kernel in kernels.KERNELS:
+        monkeypatch.setattr(kernel, "min_numel", LOWERED)
+    return defaults
+
+
+def test_default_thresholds_leave_tensors_the_compile_would_not_repay(lowered_thresholds, calls):
+    # A kernel's own threshold: sign packing saves about one pass, so a 2^20-element tensor (a CNN's
+    # fc layer) keeps the reference path, and the kernel returns None without compiling.
+    from gradzip.compressors import sign
+    kernel = sign._pack_signs
+    assert lowered_thresholds[kernel] == kernels.LARGE_NUMEL
+    assert lowered_thresholds[quantize._qsgd_encode] == 1 << 20
+    kernel.min_numel = lowered_thresholds[kernel]
+    assert kernel(torch.randn(1 << 20)) is None and not kernel._compiled
 
 
 @pytest.fixture
@@ -148,7 +170,7 @@ def test_a_failing_compiler_warns_once_and_falls_back_for_good(monkeypatch):
     monkeypatch.setattr(torch, "compile", no_compiler)
     # Fresh kernels (nothing compiled yet), as in a process without a compiler.
     for attr in ("_qsgd_encode", "_qsgd_mean"):
-        monkeypatch.setattr(quantize, attr, kernels.fused(getattr(quantize, attr).fn))
+        monkeypatch.setattr(quantize, attr, kernels.fused(getattr(quantize, attr).fn, min_numel=LOWERED))
     xs = inputs(1)
     with pytest.warns(RuntimeWarning, match="fused kernels are off") as caught:
         got = run("qsgd", {}, xs, monkeypatch, fused=True)

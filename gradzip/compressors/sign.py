@@ -36,12 +36,12 @@ TRITS_PER_BYTE = 5
 # -- fused kernels (gradzip.kernels) of the encoders below: the same codes, one loop each ----------------
 
 
-@kernels.fused
+@kernels.fused(min_numel=kernels.LARGE_NUMEL)
 def _pack_signs(flat):
     return kernels.pack_codes(flat >= 0, 1)
 
 
-@kernels.fused
+@kernels.fused(min_numel=kernels.LARGE_NUMEL)
 def _pack_trits(flat, m: int):
     n = flat.shape[0]
     codes = 1 + (flat > 0).to(torch.int32) - (flat < 0).to(torch.int32)  # int32: see kernels.pack_codes
@@ -52,7 +52,7 @@ def _pack_trits(flat, m: int):
     return packed.to(torch.uint8)
 
 
-@kernels.fused
+@kernels.fused(min_numel=kernels.LARGE_NUMEL)
 def _momentum(m, x, *, beta: float):
     return m * beta + x * (1 - beta)  # fp32, no fused multiply-add: the reference's roundings
 
