@@ -44,7 +44,9 @@ def test_diloco_contenders_exist_and_run_with_bytes_per_inner_step(tmp_path):
     assert r.error is None and r.step_s > 0 and 0 <= r.accuracy <= 1
     cnn_bytes = 4 * 1_199_882  # PyTorch's MNIST example CNN in fp32: what DDP allreduces every step
     assert 0 < r.mb_sent * 2**20 < 2 * cnn_bytes / 20  # 2 syncs of 1% of the model (values and indices)
-    assert (f"| gradzip diloco H=50 topk 1% | {r.epoch_s:.2f} | {1000 * r.step_s:.1f} | {r.accuracy:.4f} | "
+    assert 0 < r.median_step_s <= r.epoch_s
+    assert (f"| gradzip diloco H=50 topk 1% | {r.epoch_s:.2f} | {1000 * r.step_s:.1f} | {1000 * r.median_step_s:.1f} | "
+            f"{r.accuracy:.4f} | "
             f"{r.mb_sent:.1f} | {r.mb_sent * 1024 / 6:.1f} |") in e2e.table(results, 6, 2)
 
 
@@ -118,7 +120,7 @@ def test_repeats_give_medians_and_ratios_paired_within_each_repeat():
     assert e2e._ratios(rows, "unthrottled", "gradzip auto", "dense allreduce") == pytest.approx([1.02, 1.04, 1.03])
     text = e2e.table(rows, 300, 4)
     assert "Median of 3 repeats" in text
-    assert "| gradzip auto | 22.66 | 75.5 | 0.8510 | - | - | 0.97x (0.96-0.98) | - |" in text
+    assert "| gradzip auto | 22.66 | 75.5 | - | 0.8510 | - | - | 0.97x (0.96-0.98) | - |" in text
     assert "auto 1.030x dense's epoch time (1.020x-1.040x over 3 repeats)" in text
     assert "(at most 1.03x dense: met)" in text
 
@@ -136,6 +138,14 @@ def test_a_crash_in_any_repeat_is_reported_as_a_crash():
 def test_repeats_must_be_a_positive_integer():
     with pytest.raises(ValueError, match="repeats must be an integer >= 1, got 0"):
         e2e.run(links=["unthrottled"], repeats=0)
+
+
+def test_a_refused_baseline_is_a_crashed_contender_with_its_reason(tmp_path, monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    results = e2e.run(links=["unthrottled"], workers=2, steps=2, contenders=[c for c in e2e.CONTENDERS
+                                                                             if c[0] == "torch bf16 hook"],
+                      out_dir=str(tmp_path), log=lambda line: None)
+    assert results[0].error.startswith("baseline 'torch-bf16': PyTorch's bf16 hook refuses to run without CUDA")
 
 
 def test_targets_against_pytorchs_hooks():

@@ -57,6 +57,7 @@ class Result:
     note: Optional[str] = None  # auto: which candidates it chose, over how many tensors
     repeat: int = 0
     buckets: Optional[list] = None  # rank 0's GradzipState.bucket_stats() (gradzip contenders)
+    median_step_s: Optional[float] = None  # rank 0's median step: not moved by a first step's one-time costs
 
 
 def _choices_note(choices: dict) -> str:
@@ -84,12 +85,13 @@ def run(links=LINKS, workers: int = 4, steps: int = 300, batch_size: int = 32, l
             outer = contender[4] if len(contender) > 4 else None
             tag = f"-r{repeat}" if repeats > 1 else ""
             name = f"{link.replace('=', '-')}-{label.replace(' ', '_')}{tag}"
-            config = TrainConfig(compressor=compressor, params=dict(params), baseline=baseline, outer=outer,
-                                 workers=workers, epochs=1, max_steps=steps, batch_size=batch_size, lr=lr,
-                                 test_size=test_size, netem=None if link == "unthrottled" else link,
-                                 out_dir=out_dir, timeout_s=timeout_s, stall_s=stall_s, name=name, progress=False)
             start = time.perf_counter()
             try:
+                config = TrainConfig(compressor=compressor, params=dict(params), baseline=baseline, outer=outer,
+                                     workers=workers, epochs=1, max_steps=steps, batch_size=batch_size, lr=lr,
+                                     test_size=test_size, netem=None if link == "unthrottled" else link,
+                                     out_dir=out_dir, timeout_s=timeout_s, stall_s=stall_s, name=name,
+                                     progress=False)
                 launch(config)
             except Exception as exc:  # a crash of a contender is a result, not a benchmark failure
                 results.append(Result(link, label, error=str(exc).splitlines()[0][:200], repeat=repeat))
@@ -101,10 +103,13 @@ def run(links=LINKS, workers: int = 4, steps: int = 300, batch_size: int = 32, l
             epoch = [json.loads(line) for line in open(f"{out_dir}/{config.name}/metrics.jsonl")
                      if '"kind": "epoch"' in line][-1]
             summary = json.load(open(f"{out_dir}/{config.name}/summary.json"))
+            step_times = [json.loads(line)["step_s"] for line in open(f"{out_dir}/{config.name}/metrics.jsonl")
+                          if '"kind": "step"' in line]
             results.append(Result(link, label, epoch["train_s"], summary["mean_step_s"], epoch["test_accuracy"],
                                   summary["total_bytes_sent"] / 2**20 if baseline is None else None,
                                   note=_choices_note(summary["choices"]) if "choices" in summary else None,
-                                  repeat=repeat, buckets=summary.get("buckets") if baseline is None else None))
+                                  repeat=repeat, buckets=summary.get("buckets") if baseline is None else None,
+                                  median_step_s=statistics.median(step_times)))
             r = results[-1]
             if i == 0:
                 stall_s = max(60.0, 20.0 * r.step_s)
@@ -131,13 +136,16 @@ def medians(results: list[Result]) -> list[Result]:
             return None if None in values else statistics.median(values)
 
         rows.append(Result(link, label, median("epoch_s"), median("step_s"), median("accuracy"), median("mb_sent"),
-                           note=" | ".join(dict.fromkeys(r.note for r in runs if r.note)) or None))
+                           note=" | ".join(dict.fromkeys(r.note for r in runs if r.note)) or None,
+                           median_step_s=median("median_step_s")))
     return rows
 
 
-def _ratios(results: list[Result], link: str, numerator: str, denominator: str) -> list[float]:
-    """numerator's epoch time over denominator's, within each repeat in which both finished."""
-    times = {(r.label, r.repeat): r.epoch_s for r in results if r.link == link and r.error is None}
+def _ratios(results: list[Result], link: str, numerator: str, denominator: str, field: str = "epoch_s") -> list[float]:
+    """numerator's epoch time (or another ``field``) over denominator's, within each repeat in which both
+    finished."""
+    times = {(r.label, r.repeat): getattr(r, field) for r in results
+             if r.link == link and r.error is None and getattr(r, field) is not None}
     return [times[numerator, k] / times[denominator, k] for k in sorted({r.repeat for r in results})
             if (numerator, k) in times and (denominator, k) in times]
 
@@ -162,16 +170,18 @@ def table(results: list[Result], steps: int, workers: int) -> str:
         dense = next((r for r in rows if r.label.startswith("dense") and r.error is None), None)
         limit = next((r for r in rows if r.label.startswith("no communication") and r.error is None), None)
         lines += [f"### {link}", "",
-                  "| method | epoch s | step ms | test acc | MiB sent/worker | KiB/step | speedup vs dense | x limit |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| method | epoch s | step ms | median step ms | test acc | MiB sent/worker | KiB/step | speedup vs dense "
+                  "| x limit |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             if r.error:
-                lines.append(f"| {r.label} | crashed: {r.error} | | | | | | |")
+                lines.append(f"| {r.label} | crashed: {r.error} | | | | | | | |")
                 continue
             speed = _ratio_text(_ratios(results, link, dense.label, r.label), "x") if dense else "-"
             vs_limit = _ratio_text(_ratios(results, link, r.label, limit.label)) if limit else "-"
             sent = f"{r.mb_sent:.1f} | {r.mb_sent * 1024 / steps:.1f}" if r.mb_sent is not None else "- | -"
-            lines.append(f"| {r.label} | {r.epoch_s:.2f} | {1000 * r.step_s:.1f} | {r.accuracy:.4f} | {sent} | "
+            median_ms = f"{1000 * r.median_step_s:.1f}" if r.median_step_s is not None else "-"
+            lines.append(f"| {r.label} | {r.epoch_s:.2f} | {1000 * r.step_s:.1f} | {median_ms} | {r.accuracy:.4f} | {sent} | "
                          f"{speed} | {vs_limit} |")
         lines.append("")
         lines += [f"{r.label} chose: {r.note}" for r in rows if r.note] + [""]
@@ -262,11 +272,14 @@ def targets(results: list[Result]) -> list[str]:
 
 
 def _hook_targets(results, by, link, ours, dense, limit) -> list[str]:
-    """Against PyTorch's own hooks (epoch times, ratios within a repeat): gradzip's fp16 and bf16 at most
-    1.0x the matching hook's; at 1 Gbit/s the fastest gradzip method and auto at most 0.8x the fp16 hook
-    and 1.2x the no-communication limit; auto at most 1.03x the faster of dense and the fp16 hook."""
+    """Against PyTorch's own hooks (median step times, ratios within a repeat; epoch times where a run has
+    no step times): gradzip's fp16 and bf16 at most 1.0x the matching hook's; at 1 Gbit/s the fastest
+    gradzip method and auto at most 0.8x the fp16 hook and 1.2x the no-communication limit; auto at most
+    1.03x the faster of dense and the fp16 hook."""
+    field = "median_step_s" if all(r.median_step_s is not None for r in results if r.error is None) else "epoch_s"
+
     def ratio(numerator, denominator):
-        return statistics.median(_ratios(results, link, numerator.label, denominator.label))
+        return statistics.median(_ratios(results, link, numerator.label, denominator.label, field))
 
     lines = []
     for half in ("fp16", "bf16"):
@@ -276,14 +289,14 @@ def _hook_targets(results, by, link, ours, dense, limit) -> list[str]:
             lines.append(f"- {link}: gradzip {half} {r:.3f}x torch's {half} hook (at most 1.0x: {_ok(r <= 1.0)})")
     fp16, auto = by.get((link, "torch fp16 hook")), by.get((link, "gradzip auto"))
     if fp16 and limit and link == "rate=1gbit":
-        best = min(ours, key=lambda r: r.epoch_s)
+        best = min(ours, key=lambda r: getattr(r, field))
         for label, r in ((f"fastest gradzip method ({best.label})", best), ("auto", auto)):
             if r:
                 to_hook, to_limit = ratio(r, fp16), ratio(r, limit)
                 lines.append(f"- {link}: {label} {to_hook:.2f}x torch fp16 hook (0.8x: {_ok(to_hook <= 0.8)}), "
                              f"{to_limit:.2f}x the limit (1.2x: {_ok(to_limit <= 1.2)})")
     if auto and fp16:
-        faster = min((dense, fp16), key=lambda r: r.epoch_s)
+        faster = min((dense, fp16), key=lambda r: getattr(r, field))
         r = ratio(auto, faster)
         lines.append(f"- {link}: auto {r:.3f}x the faster of dense and torch fp16 ({faster.label}) "
                      f"(at most 1.03x: {_ok(r <= 1.03)})")

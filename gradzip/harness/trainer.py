@@ -122,6 +122,9 @@ class TrainConfig:
             raise ValueError(f"baseline must be one of {', '.join(BASELINES)}, got {self.baseline!r}")
         if self.baseline is not None and (self.compressor != "none" or self.integration != "ddp"):
             raise ValueError("a baseline hook replaces gradzip: use it with compressor 'none' and integration 'ddp'")
+        if self.baseline == "torch-bf16" and not torch.cuda.is_available():
+            raise ValueError("baseline 'torch-bf16': PyTorch's bf16 hook refuses to run without CUDA (it needs "
+                             "CUDA 11+ and NCCL 2.10+) and this machine has no CUDA GPU; compare with 'torch-fp16'")
         for key in ("timeout_s", "stall_s"):
             value = getattr(self, key)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
