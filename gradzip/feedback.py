@@ -13,6 +13,10 @@ the invariant
   momentum factor masking zeroes u where an element was sent; local clipping of g by
   ``clip_norm * N^-1/2`` before accumulation.  The optimizer must then apply no momentum of its own.
 
+Each scheme owns a typed per-tensor state, a dataclass of tensors (:class:`ResidualState`,
+:class:`MomentumState`): :meth:`Feedback.load` reads it from the tensor's staged context and
+:meth:`Feedback.stage` writes it back, under the state's field names (also the checkpoint's keys).
+
 A compressor names its scheme in ``compressor.feedback`` (a string, as in its ``params()`` and state
 dicts); :func:`scheme_of` gives the object, built here from the name and the compressor's
 ``feedback_params()`` (DGC's and CSC's momentum, nesterov, clip_norm) and cached on the compressor, so
@@ -21,6 +25,7 @@ that the compressors never import this module.  :func:`exchange` is the entry po
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 from typing import ClassVar, Optional
 
@@ -30,23 +35,58 @@ from .compressors.base import Compressor, Exchange, TensorContext, workspace
 from .compressors.dense import NoCompression
 from .compressors.sparse import _momentum_params
 
-__all__ = ["exchange", "FEEDBACKS", "Feedback", "NoFeedback", "Residual", "MomentumCorrection", "make_feedback",
-           "scheme_of", "with_feedback"]
+__all__ = ["exchange", "FEEDBACKS", "Feedback", "NoFeedback", "Residual", "MomentumCorrection", "NoState",
+           "ResidualState", "MomentumState", "make_feedback", "scheme_of", "with_feedback"]
 
 _DENSE = NoCompression()
 
 
+@dataclasses.dataclass
+class NoState:
+    """No feedback keeps nothing."""
+
+
+@dataclasses.dataclass
+class ResidualState:
+    """Residual feedback's memory of one tensor."""
+
+    residual: Optional[torch.Tensor] = None  # e = p - D(C(p)); None: nothing held back
+
+
+@dataclasses.dataclass
+class MomentumState:
+    """DGC's momentum correction for one tensor."""
+
+    momentum: Optional[torch.Tensor] = None  # u, the corrected momentum (masked where sent)
+    velocity: Optional[torch.Tensor] = None  # v, the accumulated velocity not yet sent
+
+
 class Feedback:
     """Base class of the error-feedback schemes: ``name`` (the compressor's ``feedback`` string),
-    ``state_keys`` (the per-tensor state entries it owns) and the generator :meth:`exchange`."""
+    ``State`` (its per-tensor state, a dataclass of tensors or None; ``state_keys`` are its field names,
+    the entries it owns in a tensor's state and checkpoint) and the generator :meth:`exchange`."""
 
     name: ClassVar[str] = ""
+    State: ClassVar[type] = NoState
     state_keys: ClassVar[tuple] = ()
     #: The constructor parameters, taken from a compressor's ``feedback_params()`` by :func:`scheme_of`.
     param_names: ClassVar[tuple] = ()
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.state_keys = tuple(f.name for f in dataclasses.fields(cls.State))
+
     def params(self) -> dict:
         return {k: getattr(self, k) for k in self.param_names}
+
+    def load(self, ctx: TensorContext):
+        """This tensor's state as of this exchange (staged values first, then the committed ones)."""
+        return self.State(**{k: ctx.get(k) for k in self.state_keys})
+
+    def stage(self, ctx: TensorContext, state) -> None:
+        """Stage ``state``; the owner commits it only once the exchange succeeded on every rank."""
+        for k in self.state_keys:
+            ctx.set(k, getattr(state, k))
 
     def exchange(self, compressor: Compressor, x: torch.Tensor, ctx: TensorContext, run, compressed: bool) -> Exchange:
         """Run ``run(input, ctx)`` (the compressor's exchange, or the dense one when ``compressed`` is
@@ -77,16 +117,16 @@ class Residual(Feedback):
     p = g + e; send C(p); e = p - D(C(p))."""
 
     name = "residual"
-    state_keys = ("residual",)
+    State = ResidualState
 
     def exchange(self, compressor, x, ctx, run, compressed):
-        residual = ctx.get("residual")
-        p = x if residual is None else x + residual
+        e = self.load(ctx).residual
+        p = x if e is None else x + e
         result = yield from run(p, ctx)
         # A tensor sent densely keeps no residual (it would be rounding noise at most), nor does one that
         # the method settled within this exchange on sending densely from now on.
         keep = compressed and not result.settled_dense
-        ctx.set("residual", _minus_sent(p, result, own=residual is not None) if keep else None)
+        self.stage(ctx, ResidualState(_minus_sent(p, result, own=e is not None) if keep else None))
         return result
 
 
@@ -97,7 +137,7 @@ class MomentumCorrection(Feedback):
     before accumulation.  The optimizer must then apply no momentum of its own."""
 
     name = "momentum"
-    state_keys = ("momentum", "velocity")
+    State = MomentumState
     param_names = ("momentum", "nesterov", "clip_norm")
 
     def __init__(self, momentum: float = 0.9, nesterov: bool = False, clip_norm: Optional[float] = None):
@@ -109,8 +149,8 @@ class MomentumCorrection(Feedback):
             limit = self.clip_norm * ctx.world_size ** -0.5
             norm = torch.linalg.vector_norm(g)
             g = g * torch.clamp(limit / (norm + 1e-6), max=1.0)
-        u = ctx.get("momentum")
-        u = torch.zeros_like(g) if u is None else u
+        state = self.load(ctx)
+        u = torch.zeros_like(g) if state.momentum is None else state.momentum
         # New tensors, then in-place steps: the same roundings as the textbook expressions in comments.
         if self.nesterov:
             u = torch.add(u, g).mul_(m)  # u = (u + g) * m
@@ -118,7 +158,7 @@ class MomentumCorrection(Feedback):
         else:
             u = torch.mul(u, m).add_(g)  # u = m * u + g
             increment = u
-        v = ctx.get("velocity")
+        v = state.velocity
         fresh_v = v is not None or increment is not u  # v's memory is this exchange's own, not u's
         v = increment if v is None else v + increment
         result = yield from run(v, ctx)
@@ -131,11 +171,10 @@ class MomentumCorrection(Feedback):
                     u.view(-1).index_fill_(0, result.sparse[0], 0.0)
                 else:
                     u = u.masked_fill(result.mask.reshape(u.shape), 0.0)
-            ctx.set("velocity", v)
         else:
             # Sent whole: nothing accumulates and masking would erase the momentum, so keep u as it is.
-            ctx.set("velocity", None)
-        ctx.set("momentum", u)
+            v = None
+        self.stage(ctx, MomentumState(momentum=u, velocity=v))
         return result
 
 

@@ -56,3 +56,42 @@ def test_invalid_combination_is_one_line(compressor, feedback, message):
     assert "\n" not in str(info.value)
     with pytest.raises(ValueError, match=message):
         GradzipState(make(compressor), feedback=feedback)
+
+
+def test_each_scheme_owns_a_typed_state():
+    from gradzip.compressors.base import TensorContext
+    from gradzip.feedback import MomentumState, NoState, ResidualState
+
+    assert NoFeedback.state_keys == () and isinstance(NoFeedback().load(TensorContext("w", (3,), torch.float32)),
+                                                      NoState)
+    g = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
+    res = GradzipState("topk", ratio=0.01)
+    out, = res.exchange([("w", g.clone())])
+    kept = Residual().load(res.context("w", g))
+    assert isinstance(kept, ResidualState)
+    assert torch.equal(kept.residual + out, g)  # world size 1: what was not sent is what is kept
+    dgc = GradzipState("dgc", ratio=0.01, warmup_epochs=0)
+    dgc.exchange([("w", g.clone())])
+    kept = scheme_of(dgc.compressor).load(dgc.context("w", g))
+    assert isinstance(kept, MomentumState) and kept.momentum.shape == kept.velocity.shape == g.shape
+    # Staged, not committed: a stage() shows through the context at once, and nowhere else until commit.
+    ctx = res.context("w", g)
+    Residual().stage(ctx, ResidualState(None))
+    assert Residual().load(ctx).residual is None and res.tensors["w"]["residual"] is not None
+
+
+@pytest.mark.parametrize("name", sorted(__import__("gradzip").compressors()))
+def test_no_method_writes_into_a_feedback_schemes_state(name):
+    """Without feedback, no per-tensor state entry may carry a name that an error-feedback scheme owns:
+    a method's own state (Signum's momentum, SparseLoCo's error) must never be read as feedback's."""
+    from gradzip.feedback import FEEDBACKS, make_feedback
+
+    compressor = make(name)
+    if "none" not in compressor.feedbacks:
+        pytest.skip(f"{name} has no feedback-free variant")
+    owned = {k for f in FEEDBACKS for k in make_feedback(f).state_keys}
+    state = GradzipState(make(name), feedback="none")
+    g = torch.randn(64, 32, generator=torch.Generator().manual_seed(2))
+    for _ in range(3):
+        state.exchange([("w", g.clone())])
+    assert not set(state.tensors.get("w", {})) & owned
