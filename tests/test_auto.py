@@ -9,7 +9,7 @@ import torch
 import gradzip
 from gradzip import feedback
 from gradzip.collectives import simulate
-from gradzip.compressors.autoschedule import AutoState, ScheduleConfig
+from gradzip.compressors.autoschedule import AutoState, ScheduleConfig, Turn, schedule
 from gradzip.compressors.base import TensorContext
 from tests import workers
 from tests.distributed import run_workers
@@ -61,11 +61,13 @@ def test_latency_bound_link_stays_dense_and_leaves_the_bucket_to_a_plain_allredu
 def _agree(per_rank_state, position, candidates=("none", "fp16"), trials=2, periods=(), **params):
     """Run one step of one tensor on two ranks, ``position`` steps after its exploration began, from
     the given per-rank :class:`AutoState` fields and whole-step times ``periods`` (told to each rank's
-    auto as the starts of this tensor's exchanges); returns each rank's staged state."""
+    auto as the starts of this tensor's exchanges; one list for every rank, or a list per rank); returns
+    each rank's staged state."""
     gens, contexts, blanks = [], [], []
     for rank, fields in enumerate(per_rank_state):
         compressor = gradzip.make("auto", candidates=list(candidates), warmup=0, trials=trials, **params)
-        for now in [sum(periods[:i]) for i in range(len(periods) + 1)]:
+        clock = periods[rank] if periods and isinstance(periods[0], (list, tuple)) else periods
+        for now in [sum(clock[:i]) for i in range(len(clock) + 1)]:
             compressor.observe_step(["w"], 100.0 + now)
         blank = AutoState.blank(ScheduleConfig(len(candidates), 0, trials, compressor.verify))
         state = dataclasses.replace(blank, begin=20 - position, **{
@@ -142,30 +144,64 @@ def test_a_plan_far_ahead_on_whole_exploration_steps_is_kept_unverified():
                 assert state.step_cost.tolist() == pytest.approx([fp16_step, 0.3])
 
 
-def _verified(per_rank_steps, periods, **params):
-    """The final choice after verification (plan fp16 over dense) from per-rank step times."""
-    fields = [{"plan": 1, "steps": steps, "cost": [1.0, 0.3]} for steps in per_rank_steps]
-    repetitions = len(per_rank_steps[0][0])
-    states = _agree(fields, 4 + 9 * repetitions, verify=repetitions, periods=periods, **params)
-    return [s.choice for s in states], states[0].step_cost.tolist()
+def _clocked(repetitions):
+    """Whole-step times of a verification, as the clock sees them: per repetition (plan step, dense
+    step), 4 plan steps then 5 dense ones (the first dense step, flushing the residual, is not timed)."""
+    return [t for plan, dense in repetitions for t in [plan] * 4 + [9.9] + [dense] * 4]
+
+
+def _verified(per_rank, candidates=("none", "fp16"), fields=None, **params):
+    """(each rank's choice, the agreed step costs) at the deciding step after a verification whose
+    steps each rank's clock saw as ``per_rank`` (a list of (plan, dense) per repetition)."""
+    fields = fields or {"plan": 1, "cost": [1.0, 0.3]}
+    repetitions = len(per_rank[0])
+    explore = 2 * len(candidates)
+    states = _agree([fields] * 2, explore + 9 * repetitions, candidates, verify=repetitions,
+                    periods=[_clocked(r) for r in per_rank], **params)
+    return [s.choice for s in states], states[0].step_cost.tolist(), states
 
 
 def test_verification_keeps_a_plan_only_if_whole_steps_are_faster():
-    inf = float("inf")
-    clock = (0.1, 0.1, 0.1, 0.2)  # the dense steps 2 to 5 (0.1 s each), then dense 5 -> plan 1 (unused)
-    choice, cost = _verified([[[0.080], [inf]]] * 2, clock)
+    choice, cost, _ = _verified([[(0.080, 0.1)]] * 2)
     assert choice == [1, 1] and cost == pytest.approx([0.080, 0.1])  # exchanged as float32
     # Less than step_margin (5%) faster: dense.
-    assert _verified([[[0.098], [inf]]] * 2, clock)[0] == [0, 0]
-    assert _verified([[[0.098], [inf]]] * 2, clock, step_margin=0.0)[0] == [1, 1]
+    assert _verified([[(0.098, 0.1)]] * 2)[0] == [0, 0]
+    assert _verified([[(0.098, 0.1)]] * 2, step_margin=0.0)[0] == [1, 1]
     # The mean over ranks, identical on both: one rank's lucky clock does not carry the plan.
-    choice, cost = _verified([[[0.12], [inf]], [[0.06], [inf]]], clock)
+    choice, cost, _ = _verified([[(0.12, 0.1)], [(0.06, 0.1)]])
     assert choice == [1, 1] and cost == pytest.approx([0.09, 0.1])
-    assert _verified([[[0.12], [inf]], [[0.08], [inf]]], clock)[0] == [0, 0]
+    assert _verified([[(0.12, 0.1)], [(0.08, 0.1)]])[0] == [0, 0]
     # The median over repetitions: a step an evaluation lengthened (0.5 s) does not count.
-    assert _verified([[[0.08, 0.5, 0.085], [0.1, 0.1, inf]]] * 2, clock)[0] == [1, 1]
-    # No clock (a resumed run lost it): the dense arm is unmeasured, and the plan stands.
-    assert _verified([[[0.2], [inf]]] * 2, periods=())[0] == [1, 1]
+    assert _verified([[(0.08, 0.1), (0.5, 0.1), (0.085, 0.1)]] * 2)[0] == [1, 1]
+    # No clock (a resumed run lost it): nothing is measured, and the plan stands.
+    assert [s.choice for s in _agree([{"plan": 1, "cost": [1.0, 0.3]}] * 2, 4 + 9, verify=1)] == [1, 1]
+
+
+def test_a_rejected_plan_hands_verification_to_the_next_candidate_that_passed():
+    """Top-k's exchange was cheapest but its step no faster than dense's: fp16, whose exchange also beat
+    dense's clearly, is verified next, from the deciding step on; the fastest plan that won is chosen,
+    and dense when none did."""
+    three = ("none", "fp16", "topk:ratio=0.01")
+    rejected = {"plan": 2, "cost": [1.0, 0.5, 0.3]}
+    choice, _, states = _verified([[(0.099, 0.1)]] * 2, three, rejected)
+    for state in states:
+        assert (state.choice, state.plan) == (None, 1)
+        assert state.begin == 20 - 6  # the deciding step (20) is the first plan step of fp16's verification
+        assert not torch.isfinite(state.steps).any()
+        assert schedule(state, 20, ScheduleConfig(3, 0, 2, 1)) == Turn("verify", 1)
+    # fp16 then loses too: nothing is left after it (Top-k was tried first), so dense.
+    assert _verified([[(0.099, 0.1)]] * 2, three, dict(rejected, plan=1))[0] == [0, 0]
+    # fp16 only 10% faster than dense's exchange (margin 25%): not a plan, so dense after Top-k.
+    assert _verified([[(0.099, 0.1)]] * 2, three, dict(rejected, cost=[1.0, 0.9, 0.3]))[0] == [0, 0]
+    # A plan that wins is remembered while the next one is verified; the faster winner is the choice.
+    for state in _verified([[(0.08, 0.1)]] * 2, three, rejected)[2]:
+        assert (state.choice, state.plan, state.best) == (None, 1, 2)
+        assert state.step_cost.tolist() == pytest.approx([0.08, 0.1])
+    after_topk = {"plan": 1, "best": 2, "cost": [1.0, 0.5, 0.3], "step_cost": [0.08, 0.1]}
+    choice, cost, _ = _verified([[(0.07, 0.1)]] * 2, three, after_topk)
+    assert choice == [1, 1] and cost == pytest.approx([0.07, 0.1])
+    choice, cost, _ = _verified([[(0.09, 0.1)]] * 2, three, after_topk)
+    assert choice == [2, 2] and cost == pytest.approx([0.08, 0.1])
 
 
 def test_verification_on_a_real_slow_link_keeps_the_plan_unless_it_slows_the_step():

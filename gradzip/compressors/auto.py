@@ -24,9 +24,9 @@ __all__ = ["Auto", "AutoState", "ScheduleConfig", "Turn", "schedule", "position"
 DEFAULT_CANDIDATES = ("none", "fp16", "powersgd:rank=2,dense_steps=0", "topk:ratio=0.01")
 
 
-# Verification times 3 whole steps of each arm: plan steps 1 to 4, and dense steps 2 to 5 (the first
+# Verification times 3 whole steps of each arm: plan steps 1 to 3, and dense steps 2 to 4 (the first
 # dense step flushes the residual through auto's own path, the others take the plain allreduce).
-_TIMED = 3
+_PLAN_TIMED, _DENSE_TIMED = slice(0, 3), slice(PLAN_STEPS + 1, PLAN_STEPS + 4)
 # A plan whose candidate made whole exploration steps this much faster than dense's is kept unverified:
 # far beyond the noise, and verifying it would cost slow dense steps.
 _CLEAR_WIN = 0.5
@@ -68,9 +68,8 @@ class StepClock:
     steps too: the intervals are whole training steps as this rank saw them.  Not saved: a resumed run
     starts a new clock.  It also hands each tensor the :class:`BucketExchange` it belongs to."""
 
-    KEEP = 4  # intervals kept per tensor: verification times 3 steps, one step back at most
-
-    def __init__(self):
+    def __init__(self, keep: int = 1):
+        self.keep = keep  # intervals kept per tensor: auto's verification reads them all at its end
         self._starts: dict[str, float] = {}
         self._steps: dict[str, tuple] = {}
         self._exchanges: dict[str, BucketExchange] = {}
@@ -81,7 +80,7 @@ class StepClock:
         for key in keys:
             last = self._starts.get(key)
             if last is not None:
-                self._steps[key] = (self._steps.get(key, ()) + (now - last,))[-self.KEEP:]
+                self._steps[key] = (self._steps.get(key, ()) + (now - last,))[-self.keep:]
             self._starts[key] = now
             self._exchanges[key] = bucket
 
@@ -128,7 +127,9 @@ class Auto(Compressor):
        plan for 4 steps, then dense for 5, timing 3 whole steps of each from this rank's
        :class:`StepClock` (the state tells :meth:`observe_step` when each bucket's exchange starts,
        dense ones included).  With T = mean over ranks of the median over repetitions, the bucket keeps
-       its plan only if ``T_plan < (1 - step_margin) * T_dense``, else it sends densely.  Exploration
+       its plan only if ``T_plan < (1 - step_margin) * T_dense``.  Then the next candidate that passed
+       step 2's test, by exchange cost, is verified the same way (a Top-k whose codec slows the step
+       may lose to fp16), and the bucket takes the fastest plan that won, else sends densely.  Exploration
        steps are clocked too (T_c: min over trials and ranks); a plan with ``T_p < 0.5 T_none`` there
        is kept unverified.
 
@@ -195,7 +196,7 @@ class Auto(Compressor):
         self._none = next((i for i, c in enumerate(built) if c.name == "none"), None)
         self._schedule = ScheduleConfig(len(built), warmup, trials, verify)
         self._blank = AutoState.blank(self._schedule)
-        self._clock = StepClock()
+        self._clock = StepClock(keep=max(1, verify * REPETITION))
 
     def choices(self, tensors: dict) -> dict[str, str]:
         """Tensor name -> the candidate spec it uses, for every decided tensor of a state's ``tensors``."""
@@ -293,10 +294,9 @@ class Auto(Compressor):
         elif stage == "decide" and state.plan is None:
             self._record_explored_step(state, steps)
             return (yield from self._agree_plan(state, ctx))
-        elif stage in ("verify", "decide"):
-            self._record_step(state, steps, s - self._schedule.explore_steps)
-            if stage == "decide":
-                return (yield from self._agree_steps(state, ctx))
+        elif stage == "decide":
+            state.steps = self._verified_steps(steps)
+            return (yield from self._agree_steps(state, ctx))
         return 0
 
     def _costs(self, times: torch.Tensor):
@@ -322,22 +322,29 @@ class Auto(Compressor):
         C = len(self._built)
         measured = yield from self._costs(torch.cat([state.times, state.periods]))
         measured, step_cost = measured[:C], measured[C:]
-        cost = torch.where(state.active & self._eligible(ctx), measured, math.inf)
-        best = int(torch.argmin(cost))
         if self._none is not None:  # compared with dense's measured cost, even if it left the race
-            saving = measured[self._none] - cost[best]
-            if not (cost[best] < (1 - self.margin) * measured[self._none] and saving >= self.min_saving_ms / 1e3):
-                best = self._none  # not clearly faster, too little to gain (or nothing measured): stay dense
+            # A candidate that leaves this tensor dense (PowerSGD and a bias) follows the bucket: all its
+            # tensors then verify the same plans in the same order.
+            worth = (state.active | ~self._eligible(ctx)) & self._worth(measured)
+            best = int(torch.argmin(torch.where(worth, measured, math.inf))) if bool(worth.any()) else self._none
+        else:
+            best = int(torch.argmin(torch.where(state.active & self._eligible(ctx), measured, math.inf)))
         state.cost = measured
         state.times, state.active, state.periods, state.ran = (  # exploration's records are done with
             self._blank.times, self._blank.active, self._blank.periods, None)
-        if not self._sends(best, ctx) or self.verify == 0 or self._none is None:
+        if best == self._none or self.verify == 0 or self._none is None:
             state.choice = best
         elif step_cost[best] < _CLEAR_WIN * step_cost[self._none]:
             state.choice, state.step_cost = best, step_cost[[best, self._none]]
         else:
             state.plan = best
         return 2 * C * 4
+
+    def _worth(self, measured: torch.Tensor) -> torch.Tensor:
+        """The candidates whose agreed exchange cost (the bucket's, shared by its tensors) clearly beats
+        dense's: ``margin`` faster and ``min_saving_ms`` saved (the others would stay within its noise)."""
+        dense = measured[self._none]
+        return (measured < (1 - self.margin) * dense) & (dense - measured >= self.min_saving_ms / 1e3)
 
     def _record_explored_step(self, state: AutoState, steps: tuple) -> None:
         """The step before this one ran candidate ``state.ran`` everywhere: its whole step's time."""
@@ -350,30 +357,48 @@ class Auto(Compressor):
             row[slot] = steps[-1]
             state.periods = periods
 
-    def _record_step(self, state: AutoState, steps: tuple, v: int) -> None:
-        """Time whole steps of each arm from the step clock (see the schedule at the top)."""
-        phase, repetition = v % REPETITION, v // REPETITION
-        if phase == PLAN_STEPS - 1:  # plan steps 1 -> 4
-            arm, clocked = 0, steps[-_TIMED:]
-        elif phase == 0 and v > 0:  # dense steps 2 -> 5 of the repetition before
-            arm, clocked, repetition = 1, steps[-_TIMED - 1:-1], repetition - 1
-        else:
-            return
-        timed = state.steps.clone()
-        timed[arm, repetition] = sum(clocked) / _TIMED if len(clocked) == _TIMED else math.inf
-        state.steps = timed
+    def _verified_steps(self, steps: tuple) -> torch.Tensor:
+        """(2, verify): each repetition's mean whole step of the plan and of dense, read at the deciding
+        step from the clock's record of the whole verification (its steps may have run on the
+        integration's plain allreduce, which never reaches :meth:`exchange`); inf where the clock lost
+        them (a resumed run)."""
+        timed = self._blank.steps.clone()
+        span = self.verify * REPETITION
+        if len(steps) >= span:
+            for r in range(self.verify):
+                repetition = steps[len(steps) - span + r * REPETITION:][:REPETITION]
+                for arm, part in enumerate((repetition[_PLAN_TIMED], repetition[_DENSE_TIMED])):
+                    timed[arm, r] = sum(part) / len(part)
+        return timed
 
     def _agree_steps(self, state: AutoState, ctx):
-        """Keep the plan only if its whole step is ``step_margin`` faster than dense's."""
+        """A plan wins if its whole step is ``step_margin`` faster than dense's; the next plan is then
+        verified, until none is left, and the fastest winner (else dense) is the choice."""
         # The median over repetitions ignores a step that an evaluation or a checkpoint lengthened; the
         # mean over ranks (unlike a min) is not fooled by one rank's clock starting late on one step.
         medians = torch.stack([row[torch.isfinite(row)].median() if torch.isfinite(row).any()
                                else torch.tensor(math.inf, dtype=row.dtype) for row in state.steps])
         plan_s, dense_s = ((yield AllReduce(medians.float())).double() / ctx.world_size).tolist()
-        keep = not math.isfinite(dense_s) or plan_s < (1 - self.step_margin) * dense_s
-        state.choice = state.plan if keep else self._none
-        state.step_cost = torch.tensor([plan_s, dense_s], dtype=torch.float64)
-        state.plan, state.steps = None, self._blank.steps
+        state.steps = self._blank.steps
+        if not math.isfinite(dense_s):  # the clock was lost (a resumed run): the plan stands
+            state.choice, state.plan, state.best = state.plan, None, None
+            return 2 * 4
+        wins = plan_s < (1 - self.step_margin) * dense_s
+        if state.best is None or (wins and plan_s < float(state.step_cost[0])):
+            state.step_cost = torch.tensor([plan_s, dense_s], dtype=torch.float64)
+            state.best = state.plan if wins else None
+        # Plans are verified in order of exchange cost (ties: candidate order), so the ones after this
+        # plan are those not tried yet.  A cheaper exchange may slow the step (a codec taking backward's
+        # core), so every plan that beat dense's exchange gets its turn, from this step on.
+        cost, index = state.cost, torch.arange(len(self._built))
+        after = (cost > cost[state.plan]) | ((cost == cost[state.plan]) & (index > state.plan))
+        left = self._worth(cost) & after
+        if bool(left.any()):
+            state.plan = int(torch.argmin(torch.where(left, cost, math.inf)))
+            state.begin += self._schedule.verify * REPETITION
+        else:
+            state.choice = state.best if state.best is not None else self._none
+            state.plan, state.best = None, None
         return 2 * 4
 
     def payload_bytes(self, ctx, kept=None):

@@ -50,9 +50,10 @@ class AutoState:
     ran: Optional[int] = None  # the candidate the previous exploration step ran (its whole step is timed)
     plan: Optional[int] = None  # the candidate under verification
     choice: Optional[int] = None  # the final candidate
+    best: Optional[int] = None  # the verified plan with the fastest whole step so far (its times: step_cost)
 
     # Saved under these names (the per-tensor state holds tensors only, for weights_only checkpoints).
-    _INDICES = ("begin", "ran", "plan", "choice")
+    _INDICES = ("begin", "ran", "plan", "choice", "best")
     _TENSORS = ("times", "periods", "active", "cost", "steps", "step_cost")
 
     @classmethod
@@ -68,12 +69,11 @@ class AutoState:
     def load(cls, get: Callable, blank: "AutoState") -> "AutoState":
         """From per-tensor state read by ``get(name)`` (``TensorContext.get`` or a state's ``dict.get``);
         what it lacks comes from ``blank``.  (Spelled out: it runs for every tensor on every step.)"""
-        begin, ran, plan, choice = get("auto_begin"), get("auto_ran"), get("auto_plan"), get("auto_choice")
+        indices = [get("auto_" + name) for name in cls._INDICES]
         return cls(_or(get("auto_times"), blank.times), _or(get("auto_periods"), blank.periods),
                    _or(get("auto_active"), blank.active), _or(get("auto_cost"), blank.cost),
                    _or(get("auto_steps"), blank.steps), _or(get("auto_step_cost"), blank.step_cost),
-                   None if begin is None else int(begin), None if ran is None else int(ran),
-                   None if plan is None else int(plan), None if choice is None else int(choice))
+                   *(None if index is None else int(index) for index in indices))
 
     def saved(self, blank: "AutoState") -> dict:
         """The per-tensor state entries (None: absent, as every field still equal to ``blank``'s)."""
@@ -107,7 +107,8 @@ def position(state: AutoState, step: int, config: ScheduleConfig) -> Optional[in
 def schedule(state: AutoState, step: int, config: ScheduleConfig) -> Turn:
     """The stage and candidate of this tensor's exchange at ``step``: warm-up, then ``trials`` rounds of
     one turn per candidate (a dropped candidate's turn runs the cheapest one still racing), the decision,
-    ``verify`` repetitions of plan and dense steps, the decision again, then the choice for good."""
+    ``verify`` repetitions of plan and dense steps, the decision again (a rejected plan's successor moves
+    ``begin`` on by the verification's length and is verified the same way), then the choice for good."""
     if state.choice is not None:
         return Turn("chosen", state.choice)
     s = position(state, step, config)
