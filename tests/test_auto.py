@@ -175,6 +175,10 @@ def test_verification_keeps_a_plan_only_if_whole_steps_are_faster():
     assert _verified([[(0.08, 0.1), (0.5, 0.1), (0.085, 0.1)]] * 2)[0] == [1, 1]
     # No clock (a resumed run lost it): nothing is measured, and the plan stands.
     assert [s.choice for s in _agree([{"plan": 1, "cost": [1.0, 0.3]}] * 2, 4 + 9, verify=1)] == [1, 1]
+    # ... unless an earlier plan already won its verification: that one.
+    three = ("none", "fp16", "topk:ratio=0.01")
+    resumed = {"plan": 1, "best": 2, "cost": [1.0, 0.5, 0.3], "step_cost": [0.08, 0.1]}
+    assert [s.choice for s in _agree([resumed] * 2, 6 + 9, three, verify=1)] == [2, 2]
 
 
 def test_a_rejected_plan_hands_verification_to_the_next_candidate_that_passed():

@@ -380,8 +380,9 @@ class Auto(Compressor):
                                else torch.tensor(math.inf, dtype=row.dtype) for row in state.steps])
         plan_s, dense_s = ((yield AllReduce(medians.float())).double() / ctx.world_size).tolist()
         state.steps = self._blank.steps
-        if not math.isfinite(dense_s):  # the clock was lost (a resumed run): the plan stands
-            state.choice, state.plan, state.best = state.plan, None, None
+        if not math.isfinite(dense_s):  # the clock was lost (a resumed run): a verified winner, else the plan
+            state.choice = state.best if state.best is not None else state.plan
+            state.plan, state.best = None, None
             return 2 * 4
         wins = plan_s < (1 - self.step_margin) * dense_s
         if state.best is None or (wins and plan_s < float(state.step_cost[0])):
