@@ -38,6 +38,11 @@ class Transport:
     def allgather(self, flat: torch.Tensor) -> list[torch.Tensor]:
         raise NotImplementedError
 
+    def allgather_into(self, flat: torch.Tensor, out: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Every rank's ``flat``, in rank order, in ``out`` (tensors like ``flat``) where the transport
+        can receive into given memory; by default the same as :meth:`allgather`."""
+        return self.allgather(flat)
+
 
 class LocalTransport(Transport):
     """World size 1: compression and feedback still apply, nothing is exchanged."""
@@ -64,7 +69,9 @@ class ProcessGroupTransport(Transport):
         return flat
 
     def allgather(self, flat):
-        out = [torch.empty_like(flat) for _ in range(self.world_size)]
+        return self.allgather_into(flat, [torch.empty_like(flat) for _ in range(self.world_size)])
+
+    def allgather_into(self, flat, out):
         dist.all_gather(out, flat, group=self.group)
         return out
 
@@ -134,6 +141,10 @@ class ExchangeReport:
     per_tensor_payload: list = field(default_factory=list)
 
 
+#: Fused buffers smaller than this are allocated afresh: the allocator reuses small blocks by itself.
+_KEEP_MIN = 1 << 18
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -148,11 +159,27 @@ def _from_bytes(chunk: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 class _Phase:
-    """Fuses one phase's requests, runs the collectives, hands each generator its result."""
+    """Fuses one phase's requests, runs the collectives, hands each generator its result.
 
-    def __init__(self, transport: Transport, report: ExchangeReport):
+    ``buffers``: where the fused buffers of this bucket's exchange are kept from one step to the next
+    (None: fresh ones); the results handed to the generators are views of them.
+    """
+
+    def __init__(self, transport: Transport, report: ExchangeReport, buffers: Optional[dict] = None):
         self.t = transport
         self.report = report
+        self.buffers = buffers
+        self.index = 0  # which phase of the exchange: each keeps buffers of its own
+
+    def _buffer(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> Optional[torch.Tensor]:
+        """This phase's kept buffer ``name``, or None (no reuse, small, or not on the CPU)."""
+        if self.buffers is None or device.type != "cpu" or numel < _KEEP_MIN:
+            return None
+        key = (self.index, name, dtype)
+        buf = self.buffers.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = self.buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+        return buf[:numel]
 
     def _timed(self, fn, *args):
         start = time.perf_counter()
@@ -192,7 +219,8 @@ class _Phase:
         parts = [t.reshape(-1) for t in tensors]
         if flag is not None:
             parts.append(flag.to(dtype=dtype, device=tensors[0].device).reshape(1))
-        flat = torch.cat(parts) if parts else torch.empty(0)
+        numel = sum(p.numel() for p in parts)
+        flat = torch.cat(parts, out=self._buffer(f"allreduce-{op}", numel, dtype, parts[0].device)) if parts else torch.empty(0)
         flag_out = None
         if flat.numel() > 0:
             self.report.wire_bytes += _nbytes(flat)
@@ -232,9 +260,11 @@ class _Phase:
             mine.append(torch.zeros(pad, dtype=torch.uint8, device=device))
         flag_out = None
         if longest > 0:
-            buf = torch.cat(mine) if mine else torch.empty(0, dtype=torch.uint8, device=device)
+            buf = torch.cat(mine, out=self._buffer("allgather", longest, torch.uint8, device)) if mine \
+                else torch.empty(0, dtype=torch.uint8, device=device)
             self.report.wire_bytes += _nbytes(buf)
-            gathered = self._timed(self.t.allgather, buf)
+            outs = [self._buffer(f"allgather{r}", longest, torch.uint8, device) for r in range(self.t.world_size)]
+            gathered = self._timed(self.t.allgather, buf) if outs[0] is None else self._timed(self.t.allgather_into, buf, outs)
             if flag is not None:
                 flag_out = any(bool(g[sum(row)] > 0) for g, row in zip(gathered, size_rows))
         else:
@@ -255,10 +285,15 @@ class _Phase:
         return flag_out
 
 
-def run_lockstep(gens: Sequence[Generator], transport: Transport, nonfinite_local: bool = False):
-    """Run exchange generators to completion in lockstep; returns (their return values, report)."""
+def run_lockstep(gens: Sequence[Generator], transport: Transport, nonfinite_local: bool = False,
+                 buffers: Optional[dict] = None):
+    """Run exchange generators to completion in lockstep; returns (their return values, report).
+
+    ``buffers``: a dict in which to keep the fused collectives' buffers for the next exchange of the
+    same tensors (the caller copies the results out before then); None allocates fresh ones.
+    """
     report = ExchangeReport(per_tensor_payload=[0] * len(gens))
-    phase = _Phase(transport, report)
+    phase = _Phase(transport, report, buffers)
     pending = dict(enumerate(gens))
     inbox: dict[int, object] = {i: None for i in pending}
     outputs: list = [None] * len(gens)
@@ -279,6 +314,7 @@ def run_lockstep(gens: Sequence[Generator], transport: Transport, nonfinite_loca
         if not requests:
             break
         results, flag_out = phase.run(requests, None if flag_known else flag)
+        phase.index += 1
         if not flag_known:
             flag_known = True
             report.nonfinite = bool(flag_out)

@@ -121,7 +121,7 @@ class Residual(Feedback):
 
     def exchange(self, compressor, x, ctx, run, compressed):
         e = self.load(ctx).residual
-        p = x if e is None else x + e
+        p = x if e is None else torch.add(x, e, out=ctx.spare("residual", e))
         result = yield from run(p, ctx)
         # A tensor sent densely keeps no residual (it would be rounding noise at most), nor does one that
         # the method settled within this exchange on sending densely from now on.
@@ -151,16 +151,16 @@ class MomentumCorrection(Feedback):
             g = g * torch.clamp(limit / (norm + 1e-6), max=1.0)
         state = self.load(ctx)
         u = torch.zeros_like(g) if state.momentum is None else state.momentum
-        # New tensors, then in-place steps: the same roundings as the textbook expressions in comments.
+        # Into spare memory, then in-place steps: the same roundings as the textbook expressions in comments.
         if self.nesterov:
-            u = torch.add(u, g).mul_(m)  # u = (u + g) * m
+            u = torch.add(u, g, out=ctx.spare("momentum", u)).mul_(m)  # u = (u + g) * m
             increment = u + g
         else:
-            u = torch.mul(u, m).add_(g)  # u = m * u + g
+            u = torch.mul(u, m, out=ctx.spare("momentum", u)).add_(g)  # u = m * u + g
             increment = u
         v = state.velocity
         fresh_v = v is not None or increment is not u  # v's memory is this exchange's own, not u's
-        v = increment if v is None else v + increment
+        v = increment if v is None else torch.add(v, increment, out=ctx.spare("velocity", v))
         result = yield from run(v, ctx)
         if compressed:
             v = _minus_sent(v, result, own=fresh_v)
@@ -263,7 +263,7 @@ def _minus_sent(p: torch.Tensor, result, own: bool) -> torch.Tensor:
         idx, values = result.sparse
         out = p if own else p.clone()
         flat = out.view(-1)
-        flat.index_put_((idx,), flat[idx] - values)
+        flat.index_copy_(0, idx, flat.index_select(0, idx).sub_(values))
         return out
     if own and result.sent_into is not None and result.sent_pending:
         return p.sub_(result.sent_into(workspace("sent", p.numel(), torch.float32, p.device).view(p.shape)))

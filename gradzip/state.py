@@ -23,7 +23,7 @@ import torch.distributed as dist
 from . import feedback as _feedback
 from .collectives import Transport, run_lockstep, transport_for
 from .compressors import make
-from .compressors.base import Compressor, TensorContext
+from .compressors.base import SPARE, Compressor, TensorContext
 
 __all__ = ["GradzipState"]
 
@@ -40,6 +40,11 @@ def _any_nonfinite(grads: Sequence[torch.Tensor]) -> bool:
     """
     ends = [end.float() for g in grads if g.numel() for end in torch.aminmax(g.detach())]
     return bool(ends) and not bool(torch.isfinite(torch.stack(ends)).all())
+
+
+def _address(t: torch.Tensor) -> tuple:
+    """Where a tensor's memory starts: equal for views of one storage."""
+    return t.device.type, t.untyped_storage().data_ptr()
 
 
 class GradzipState:
@@ -75,6 +80,10 @@ class GradzipState:
         self._closed = False
         self._streams: dict = {}  # the communication thread's CUDA stream per device
         self._buckets: dict[tuple, dict] = {}  # per-bucket time split (bucket_stats; not saved)
+        # Memory reused across steps by exchanges that copy their results out (exchange(out=...)): per
+        # tensor (TensorContext.buffer, spare) and per bucket (fused collectives).  Not saved.
+        self._buffers: dict[str, dict] = {}
+        self._fused: dict[tuple, dict] = {}
         self._buckets_lock = threading.Lock()
         #: The DDP hook's names of parameters (``register`` gives the model's; else learned on first use)
         #: and the group on which it may allreduce itself the buckets :meth:`plain_allreduce_dtype` allows
@@ -122,41 +131,62 @@ class GradzipState:
         """Advance epoch-driven schedules (DGC's warm-up).  Call it with the same value on every rank."""
         self.epoch = int(epoch)
 
-    def context(self, key: str, grad: torch.Tensor) -> TensorContext:
+    def context(self, key: str, grad: torch.Tensor, buffers: Optional[dict] = None) -> TensorContext:
         return TensorContext(key=key, shape=grad.shape, dtype=grad.dtype, step=self.steps.get(key, 0),
                              epoch=self.epoch, rank=self.rank, world_size=self.world_size, seed=self.seed,
-                             state=self.tensors.get(key, {}))
+                             state=self.tensors.get(key, {}), buffers=buffers)
 
-    def exchange(self, named_grads: Sequence[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+    def exchange(self, named_grads: Sequence[tuple[str, torch.Tensor]],
+                 out: Optional[Sequence[torch.Tensor]] = None) -> list[torch.Tensor]:
         """Compress, exchange and aggregate these gradients; returns one aggregate per input.
 
         Every rank must pass the same names with the same shapes in the same order.  If any rank's input
         holds NaN or Inf, or compression overflowed into one (the aggregate is not finite), every rank
         gets all-NaN aggregates for this call and no state changes, so ``torch.amp.GradScaler`` (or any
         finiteness check) skips the step identically everywhere and the previous state is kept.
+
+        ``out``: tensors shaped like the inputs (they may be the inputs themselves, as DDP's bucket
+        views are) to write the aggregates into and return.  The exchange then reuses its buffers
+        from one step to the next instead of allocating (:meth:`TensorContext.buffer`, ``spare``).
         """
-        self.compressor.observe_step([key for key, _ in named_grads], time.perf_counter())
-        contexts = [self.context(key, g) for key, g in named_grads]
+        keys = [key for key, _ in named_grads]
+        self.compressor.observe_step(keys, time.perf_counter())
+        reuse = out is not None
+        if reuse and len(out) != len(named_grads):
+            raise ValueError(f"exchange: out has {len(out)} tensors for {len(named_grads)} gradients")
+        contexts = [self.context(key, g, self._buffers.setdefault(key, {}) if reuse else None)
+                    for key, g in named_grads]
         grads = [g for _, g in named_grads]
         nonfinite = _any_nonfinite(grads)
         if nonfinite:
             # Keep the protocol identical on every rank: compress zeros, discard the result below.
             grads = [torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0) for g in grads]
         gens = [_feedback.exchange(self.compressor, g, ctx) for g, ctx in zip(grads, contexts)]
-        results, report = run_lockstep(gens, self.transport, nonfinite)
+        fused = self._fused.setdefault(tuple(keys), {}) if reuse else None
+        results, report = run_lockstep(gens, self.transport, nonfinite, buffers=fused)
+        outputs = out
         if not report.nonfinite:
-            outputs = [r.aggregate.reshape(g.shape).to(g.dtype) for r, g in zip(results, grads)]
+            if out is None:
+                outputs = [r.aggregate.reshape(g.shape).to(g.dtype) for r, g in zip(results, grads)]
+            else:
+                for target, r in zip(out, results):
+                    target.copy_(r.aggregate.reshape(target.shape))
             # Compression can overflow where the input did not (a value above 65504 sent as fp16, a sum
             # in a 16-bit type).  Aggregates are bit-identical on every rank, so this check agrees
             # everywhere without a collective; the step is then handled as a non-finite input.
             report.nonfinite = _any_nonfinite(outputs)
         if report.nonfinite:
-            outputs = [torch.full_like(g, float("nan")) for g in grads]
+            if out is None:
+                outputs = [torch.full_like(g, float("nan")) for g in grads]
+            else:
+                for target in out:
+                    target.fill_(float("nan"))
         else:
+            lent = {_address(t) for pool in (fused or {}, *(c.buffers or {} for c in contexts)) for t in pool.values()}
             for ctx in contexts:
-                self._commit(ctx)
+                self._commit(ctx, lent)
         self._count(report, grads, results)
-        return outputs
+        return list(outputs)
 
     def plain_allreduce_dtype(self, named_grads: Sequence[tuple[str, torch.Tensor]]) -> Optional[torch.dtype]:
         """The dtype in which one plain allreduce of every gradient / N gives exactly this exchange's
@@ -199,12 +229,26 @@ class GradzipState:
         for key, _ in named_grads:
             self.steps[key] = self.steps.get(key, 0) + 1
 
-    def _commit(self, ctx: TensorContext) -> None:
+    def _commit(self, ctx: TensorContext, lent: frozenset | set = frozenset()) -> None:
+        """Make ``ctx``'s staged state the committed one.  A value built in a spare
+        (:meth:`TensorContext.spare`) swaps places with the value it replaces, which becomes the next
+        step's spare; a value in memory lent for this exchange only (a buffer, a fused collective's
+        result) is copied, as that memory is written again next step."""
         slot = self.tensors.setdefault(ctx.key, {})
         for name, value in ctx.updates.items():
+            old = slot.get(name)
             if value is None:
                 slot.pop(name, None)
             else:
+                if isinstance(value, torch.Tensor) and _address(value) in lent:
+                    spare = SPARE + name
+                    if spare in ctx.buffers and _address(value) == _address(ctx.buffers[spare]):
+                        if isinstance(old, torch.Tensor) and old.shape == value.shape and old.dtype == value.dtype:
+                            ctx.buffers[spare] = old  # double buffering: the retired value is next step's spare
+                        else:
+                            del ctx.buffers[spare]
+                    else:
+                        value = value.clone()
                 slot[name] = value
         self.steps[ctx.key] = ctx.step + 1
 
@@ -227,9 +271,11 @@ class GradzipState:
 
     # -- asynchronous use by the integrations -------------------------------------------------------
     def submit(self, named_grads: Sequence[tuple[str, torch.Tensor]],
-               done: Callable[[list[torch.Tensor]], object]) -> torch.futures.Future:
-        """Run :meth:`exchange` on this state's single communication thread; FIFO keeps the order of
-        collectives identical on every rank.  The future gets ``done(aggregates)``'s value."""
+               done: Callable[[list[torch.Tensor]], object],
+               out: Optional[Sequence[torch.Tensor]] = None) -> torch.futures.Future:
+        """Run :meth:`exchange` (into ``out``, if given) on this state's single communication thread;
+        FIFO keeps the order of collectives identical on every rank.  The future gets
+        ``done(aggregates)``'s value."""
         self.transport  # connect on the caller's thread, never on the communication thread
         device = next((g.device for _, g in named_grads if g.is_cuda), None)
         ready = None
@@ -248,7 +294,7 @@ class GradzipState:
                 self._worker = threading.Thread(target=self._serve, args=(torch.get_num_threads(),),
                                                 name="gradzip-comm", daemon=True)
                 self._worker.start()
-            self._jobs.put((list(named_grads), done, fut, device, ready, time.perf_counter()))
+            self._jobs.put((list(named_grads), out, done, fut, device, ready, time.perf_counter()))
         return fut
 
     def _serve(self, num_threads: int) -> None:
@@ -259,19 +305,19 @@ class GradzipState:
             job = self._jobs.get()
             if job is None:
                 return
-            named, done, fut, device, ready, submitted = job
+            named, out, done, fut, device, ready, submitted = job
             aggregates = None
             try:
                 with self._stream_for(device, ready):
                     started = time.perf_counter()
-                    aggregates = self.exchange(named)
+                    aggregates = self.exchange(named, out)
                     report = self.last_report
                     self.record_bucket(named, exchanges=1, queued_s=started - submitted, compress_s=report.compress_s,
                                        communicate_s=report.communicate_s, decompress_s=report.decompress_s)
                     fut.set_result(done(aggregates))
             except BaseException as exc:  # handed to the waiting training loop
                 fut.set_exception(exc)
-            del job, named, done, fut, ready, aggregates  # hold no tensor while waiting for the next job
+            del job, named, out, done, fut, ready, aggregates  # hold no tensor while waiting for the next job
 
     def _stream_for(self, device, ready):
         """The communication thread's own CUDA stream for ``device``, after ``ready`` (CPU: nothing)."""

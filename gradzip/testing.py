@@ -18,6 +18,8 @@ calls the functions below one by one):
 - ``odd_inputs``: empty, 0-d, one-element, non-contiguous and odd-sized tensors;
 - ``nonfinite``: a NaN input gives NaN everywhere and commits no state;
 - ``state_dict``: a run resumed from ``state_dict()`` continues bit for bit;
+- ``reuse``: exchanging into ``out`` (the integrations' way: buffers kept across steps, state double
+  buffered) gives the same aggregates and state as plain exchanges, bit for bit;
 - ``distributed`` (``distributed=True``): two real gloo processes (:func:`gradzip.launcher.run_workers`)
   get identical results.  The compressor travels to them by pickle, so its class (or factory) must be
   importable by module and name: defined at the top level of a module, not in a function or a notebook.
@@ -46,7 +48,7 @@ from .state import GradzipState
 
 __all__ = ["check_compressor", "CHECKS", "DTYPES", "SHAPES", "WIRE_SHAPES", "odd_inputs", "grads", "factory_of",
            "check_round_trip", "check_wire_bytes", "check_error_feedback", "check_ranks_agree", "check_odd_inputs",
-           "check_nonfinite", "check_state_dict", "check_distributed"]
+           "check_nonfinite", "check_state_dict", "check_reuse", "check_distributed"]
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 SHAPES = ((64, 40), (1000,), (6, 5, 3, 3))
@@ -284,6 +286,45 @@ def check_state_dict(factory, c, warmup=6, steps=3):
                       f"resumed run differs by up to {float((x - y).abs().max()):.3g}")
 
 
+#: Shapes above the size from which an exchange into ``out`` keeps its buffers across steps.
+REUSE_SHAPES = ((320, 300), (1000,), (600, 500))
+
+
+@_guarded("reused buffers")
+def check_reuse(factory, c, steps=5, nan_step=2):
+    """Exchanging into ``out`` (as the integrations do, the inputs themselves included, which keeps
+    buffers and double-buffered state across steps) gives the same aggregates and state, bit for bit,
+    as plain exchanges, also after a skipped non-finite step (at ``nan_step``).  For a method that
+    decides from measured times (``measures_time``) two runs may decide differently: only shapes,
+    dtypes, finiteness and the state's names are compared then."""
+    plain, reused = GradzipState(c, seed=3), GradzipState(_fresh(factory), seed=3)
+    exact = not c.measures_time
+    for step in range(steps):
+        named = [(f"t{i}", grads(s, torch.float32, 11 * step + i)) for i, s in enumerate(REUSE_SHAPES)]
+        if step == nan_step:
+            named[0][1].view(-1)[7] = float("nan")
+        expected = plain.exchange(named)
+        inputs = [(k, g.clone()) for k, g in named]
+        out = [inputs[0][1]] + [torch.full_like(g, 5.0) for _, g in inputs[1:]]  # the first in place, as DDP's
+        got = reused.exchange(inputs, out=out)
+        for i, (a, b, o) in enumerate(zip(expected, got, out)):
+            if b is not o:
+                _fail(c, "reused buffers", f"step {step}: exchange(out=...) returned tensor {i} not written into out")
+            if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a.isnan(), b.isnan()) or (
+                    exact and not torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))):
+                _fail(c, "reused buffers", f"step {step}, tensor t{i} of shape {tuple(a.shape)}: exchanging into out "
+                      f"differs from a plain exchange")
+        a, b = plain.state_dict(), reused.state_dict()
+        for key, slot in a["tensors"].items():
+            for n, v in slot.items():
+                w = b["tensors"].get(key, {}).get(n)
+                if w is None or (exact and not torch.equal(v.nan_to_num(7.0), w.nan_to_num(7.0))):
+                    _fail(c, "reused buffers", f"step {step}: state {n!r} of tensor {key!r} differs when exchanging "
+                          "into out (buffers or spares reused while still in use)")
+        if a["steps"] != b["steps"] or set(a["tensors"]) != set(b["tensors"]):
+            _fail(c, "reused buffers", f"step {step}: the states hold different tensors or step counters")
+
+
 def _distributed_worker(rank, world, factory, steps):
     """Runs in each spawned process: ``steps`` exchanges of regular and odd tensors; returns the outputs."""
     state = GradzipState(factory())
@@ -342,6 +383,7 @@ CHECKS = (
     + [("error_feedback", check_error_feedback, {})]
     + [("ranks_agree", check_ranks_agree, {"world": w}) for w in (2, 3)]
     + [("odd_inputs", check_odd_inputs, {}), ("nonfinite", check_nonfinite, {}), ("state_dict", check_state_dict, {})]
+    + [("reuse", check_reuse, {})]
 )
 
 

@@ -16,7 +16,7 @@ from gradzip.bits import pack_bits, select, unpack_bits
 from gradzip.collectives import LocalTransport, run_lockstep
 from gradzip.compressors.base import Exchanged, TensorContext
 from gradzip.compressors.dense import NoCompression
-from gradzip.compressors.sparse import random_positions, top_k
+from gradzip.compressors.sparse import random_positions, top_k, top_k_abs
 
 
 def randn(*shape, seed=0):
@@ -50,6 +50,36 @@ def test_top_k_with_ties_keeps_k_values_of_the_right_size():
     got = top_k(a, 70_000)
     assert got.unique().numel() == 70_000
     assert torch.equal(a[got].sort().values, torch.topk(a, 70_000).values.sort().values)
+
+
+@pytest.mark.parametrize("n, k", [(100_003, 1_000), (300_000, 300), (1_179_648, 11_797), (200_005, 20_000)])
+def test_top_k_abs_is_the_exact_top_k_of_magnitudes(n, k):
+    x = randn(n, seed=n + k)
+    x[n - 1] = 50.0  # in the tail that the column groups leave out when 8 does not divide n
+    got = top_k_abs(x, k)
+    assert got.numel() == k and got.unique().numel() == k
+    assert torch.equal(got.sort().values, torch.topk(x.abs(), k).indices.sort().values)
+
+
+def test_top_k_abs_keeps_nans_and_falls_back_when_the_sample_misleads():
+    n, k = 200_000, 2_000
+    x = torch.zeros(n)
+    x[1::1000] = -torch.arange(1, 201, dtype=torch.float32)  # the strided sample sees only zeros
+    x[5] = float("nan")
+    got = top_k_abs(x, k)
+    expected = torch.topk(x.abs(), k).indices
+    assert got.numel() == k and bool(torch.isnan(x[got]).any())
+    assert torch.equal(x[got].abs().sort().values.nan_to_num(1e9), x[expected].abs().sort().values.nan_to_num(1e9))
+    y = randn(n, seed=4)
+    y[77_777] = float("nan")
+    assert 77_777 in top_k_abs(y, k).tolist()
+
+
+def test_top_k_abs_with_ties_keeps_k_values_of_the_right_size():
+    x = (torch.arange(400_000) % 7).float() - 3  # magnitudes 0..3, huge ties
+    got = top_k_abs(x, 70_000)
+    assert got.unique().numel() == 70_000
+    assert torch.equal(x[got].abs().sort().values, torch.topk(x.abs(), 70_000).values.sort().values)
 
 
 # -- random_positions: uniform k-subsets without an O(n) permutation -----------------------------------

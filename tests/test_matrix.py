@@ -2,8 +2,8 @@
 
 Each check is one of :mod:`gradzip.testing`'s, the ones ``gradzip.testing.check_compressor`` runs on
 compressors written outside the package: round trip (shapes, dtypes), exact wire bytes against the
-method's own formula, error-feedback conservation, cross-rank agreement, odd inputs, non-finite inputs
-and state_dict resume.  Real multi-process checks of the same properties are in test_distributed.py.
+method's own formula, error-feedback conservation, cross-rank agreement, odd inputs, non-finite inputs,
+state_dict resume and exchanges into ``out`` with buffers reused across steps.  Real multi-process checks of the same properties are in test_distributed.py.
 """
 from __future__ import annotations
 
@@ -89,12 +89,18 @@ def test_state_dict_resume_is_exact(name):
     testing.check_state_dict(factory(name))
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_exchange_into_out_reuses_buffers_bit_for_bit(name):
+    testing.check_reuse(factory(name))
+
+
 def test_check_compressor_runs_every_check_of_the_matrix():
     checks = {name for name, _, _ in testing.CHECKS}
     assert checks == {"round_trip", "wire_bytes", "error_feedback", "ranks_agree", "odd_inputs", "nonfinite",
-                      "state_dict"}
+                      "state_dict", "reuse"}
     assert testing.check_compressor(factory("topk"), distributed=False) == [
-        "round_trip", "wire_bytes", "error_feedback", "ranks_agree", "odd_inputs", "nonfinite", "state_dict"]
+        "round_trip", "wire_bytes", "error_feedback", "ranks_agree", "odd_inputs", "nonfinite", "state_dict",
+        "reuse"]
 
 
 def test_state_dict_of_another_method_is_refused():

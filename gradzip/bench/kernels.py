@@ -7,9 +7,9 @@ warmup_epochs=0`` and PowerSGD ``dense_steps=0`` so that both compress from the 
   method flattens it), and
 - ``resnet50``: ResNet-50's 161 parameter tensors (25.6M elements; BN weights and biases are 1-D),
 
-the way training runs them: one world-size-1 :meth:`GradzipState.exchange` through
-:func:`run_lockstep` with a :class:`LocalTransport`, i.e. compress + decompress + error feedback and the
-non-finite check, with no network.  It also times the compressor alone (no feedback, no state).
+the way training runs them: one world-size-1 :meth:`GradzipState.exchange` into output tensors (as the
+DDP hook's bucket) through :func:`run_lockstep` with a :class:`LocalTransport`, i.e. compress +
+decompress + error feedback, the non-finite checks and the copy out, with no network.  It also times the compressor alone (no feedback, no state).
 
 The yardstick is one memory pass over the same tensors, ``torch.add(x, 1.0, out=buf)`` (read n floats,
 write n floats), measured in the same run and interleaved with the methods, because the CPUs this runs
@@ -129,9 +129,11 @@ class _Method:
         self.state = GradzipState(make(name, **self.params), transport=LocalTransport(), seed=0)
         self.compressor = make(name, **self.params)
         self.samples: dict[str, list] = {k: [] for k in ("ms", "alone", "compress", "communicate", "decompress")}
+        # Where the integrations put the averages (DDP: its bucket), so buffers are reused as in training.
+        self.out = [torch.empty_like(g) for _, g in named]
 
     def exchange(self) -> None:
-        self.state.exchange(self.named)
+        self.state.exchange(self.named, out=self.out)
 
     def alone(self) -> None:
         """The compressor's own exchange (dense for the tensors it does not compress), no feedback, no state."""
@@ -336,7 +338,7 @@ def format_table(result: dict) -> str:
                      f"(kept {sel['kept_median']:,} of k = {sel['k']:,}), exact torch.topk {sel['exact_topk_ms']:.1f} ms, "
                      f"speedup {sel['speedup']:.1f}x")
     lines.append("")
-    lines.append("ms: one GradzipState.exchange (world size 1, LocalTransport: compress + decompress + error "
+    lines.append("ms: one GradzipState.exchange into output tensors (world size 1, LocalTransport: compress + decompress + error "
                  "feedback), median; x pass: median over the median pass; best x: fastest over fastest; "
                  "compress/decomp/other: shares of the exchange's wall time from ExchangeReport (feedback's own "
                  "arithmetic included; other: non-finite check, fusing requests into one buffer, commit); "

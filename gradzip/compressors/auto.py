@@ -150,6 +150,7 @@ class Auto(Compressor):
     name = "auto"
     default_feedback = "residual"
     deterministic = False  # the choice depends on measured times (but is identical on every rank)
+    measures_time = True
 
     def __init__(self, candidates: Union[str, Sequence[str]] = DEFAULT_CANDIDATES, warmup: int = 1,
                  trials: int = 2, drop: float = 2.0, margin: float = 0.25, min_saving_ms: float = 5.0,

@@ -56,7 +56,8 @@ class AllGather:
 class Exchanged:
     """The outcome of one tensor's exchange.
 
-    ``aggregate`` is what the optimizer receives (normally the mean over workers of what they sent).
+    ``aggregate`` is what the optimizer receives (normally the mean over workers of what they sent), in
+    float32 or in a narrower float type that float32 holds exactly (fp16's sum), cast by the owner.
     ``sent`` is this worker's own contribution as the receivers decode it, D(C(x)); error feedback
     keeps ``x - sent``.  ``mask`` marks the positions a sparsifier sent (for DGC's momentum masking).
 
@@ -125,6 +126,13 @@ class Exchanged:
 Exchange = Generator[Any, Any, Exchanged]
 
 
+_WORKSPACE = threading.local()
+#: Below this many elements the allocator's own reuse is as good as a workspace.
+_WORKSPACE_MIN = 1 << 16
+#: Prefix of the buffer names that :meth:`TensorContext.spare` lends for state values.
+SPARE = "spare:"
+
+
 def _stable_hash(text: str) -> int:
     return zlib.crc32(text.encode("utf-8"))
 
@@ -149,12 +157,39 @@ class TensorContext:
     seed: int = 0
     state: dict = field(default_factory=dict)
     updates: dict = field(default_factory=dict)
+    #: This tensor's buffers kept across steps by the owner (see :meth:`buffer`); None: no reuse.
+    buffers: Optional[dict] = None
 
     def get(self, name: str, default: Any = None) -> Any:
         return self.updates.get(name, self.state.get(name, default))
 
     def set(self, name: str, value: Any) -> None:
         self.updates[name] = value
+
+    def buffer(self, name: str, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """An uninitialised tensor for this exchange's own use (the aggregate, a decoded payload), the
+        same memory every step: it may be returned in :class:`Exchanged` but never stored in the
+        state, and it is written again at this tensor's next exchange.
+
+        A fresh 5 MB CPU tensor is page-faulted in on first touch, which costs several times the
+        arithmetic done on it, and a freed one often goes back to the OS; reusing memory avoids both.
+        The owner keeps buffers only where it copies the results out before the next exchange (the
+        integrations do); otherwise, and for small tensors and GPUs (whose caching allocator already
+        reuses memory), this is ``torch.empty``.
+        """
+        shape = torch.Size(shape)
+        if self.buffers is None or device.type != "cpu" or shape.numel() < _WORKSPACE_MIN:
+            return torch.empty(shape, dtype=dtype, device=device)
+        buf = self.buffers.get(name)
+        if buf is None or buf.shape != shape or buf.dtype != dtype:
+            buf = self.buffers[name] = torch.empty(shape, dtype=dtype, device=device)
+        return buf
+
+    def spare(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """Memory, shaped like ``like``, in which to build this step's new value of state ``name``
+        (double buffering): the owner hands back the value that the commit retired, never the
+        committed one, so the committed state stays intact until the exchange succeeded everywhere."""
+        return self.buffer(SPARE + name, like.shape, like.dtype, like.device)
 
     def generator(self, device: torch.device, *, shared: bool = True, salt: str = "") -> torch.Generator:
         """A private RNG seeded from (seed, tensor key, step[, rank]); the global RNG is never touched.
@@ -204,6 +239,9 @@ class Compressor:
     default_feedback: ClassVar[str] = "none"
     #: True when the exchange is deterministic (no random choice): used by tests and by resume checks.
     deterministic: ClassVar[bool] = True
+    #: True when the method decides from wall-clock measurements (auto): two runs of the same inputs may
+    #: then differ, so checks that compare two runs compare only what does not depend on the clock.
+    measures_time: ClassVar[bool] = False
 
     #: The error-feedback schemes this method accepts (``momentum`` needs momentum parameters).
     feedbacks: ClassVar[tuple] = ("none", "residual")
@@ -324,9 +362,6 @@ class GatheredCompressor(Compressor):
         return Exchanged(self.combine(decoded, ctx), decoded[ctx.rank])
 
 
-_WORKSPACE = threading.local()
-#: Below this many elements the allocator's own reuse is as good as a workspace.
-_WORKSPACE_MIN = 1 << 16
 
 
 def workspace(name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

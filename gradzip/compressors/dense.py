@@ -77,8 +77,9 @@ class FP16(_HalfCast):
         payload = self.compress(x, ctx)
         total = yield AllReduce(payload)
         # The mean decompress(total) / N = (float(total) * N) / N is float(total) itself: an fp16 value
-        # (11 significant bits) times N < 2^13 is exact in fp32, and so is dividing it by N again.
-        return Exchanged(total.float(), lambda: self.decompress(payload, ctx))
+        # (11 significant bits) times N < 2^13 is exact in fp32, and so is dividing it by N again.  So
+        # the fp16 sum is the aggregate as it is: the owner's cast to the gradient's dtype is exact.
+        return Exchanged(total, lambda: self.decompress(payload, ctx))
 
 
 @register

@@ -73,7 +73,7 @@ class Sketch(Compressor):
         idx = torch.topk(estimate.abs(), k, sorted=False).indices
         mine = flat[idx]
         values = yield AllReduce(mine)
-        aggregate = torch.zeros(n, dtype=torch.float32, device=x.device)
+        aggregate = ctx.buffer("aggregate", (n,), torch.float32, x.device).zero_()
         aggregate[idx] = values / ctx.world_size
         return Exchanged(aggregate.view(ctx.shape), sparse=(idx, mine))
 

@@ -115,13 +115,13 @@ class SparseLoCo(Compressor):
         flat = e.view(-1)
         gathered = yield AllGather(self.encode(flat), same_size=True)
         n = flat.numel()
-        total = torch.zeros(n, dtype=torch.float32, device=x.device)
+        total = ctx.buffer("aggregate", (n,), torch.float32, x.device).zero_()
         own = None
         for rank, fields in enumerate(gathered):  # rank order: identical float sums on every rank
             idx, values = self.decode(fields, n)
             total.index_add_(0, idx, values)
             if rank == ctx.rank:
                 own = (idx, values)
-        flat.index_put_((own[0],), flat[own[0]] - own[1])  # e = e - D(C(e)), only where something was sent
+        flat.index_copy_(0, own[0], flat.index_select(0, own[0]).sub_(own[1]))  # e = e - D(C(e)), only where something was sent
         ctx.set(self.state_key, e)
         return Exchanged(total.div_(len(gathered)).view(ctx.shape), sparse=own)

@@ -90,12 +90,8 @@ def ddp_comm_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures
         state.record_bucket(named, exchanges=1, plain=1, hook_s=time.perf_counter() - start)
         return fut
 
-    def write_back(aggregates):
-        for g, aggregate in zip(grads, aggregates):  # grads are views into the bucket's buffer
-            g.copy_(aggregate)
-        return buffer
-
-    fut = state.submit(named, write_back)
+    # The aggregates are written into the gradients' views of the bucket's buffer, which DDP reads.
+    fut = state.submit(named, lambda aggregates: buffer, out=grads)
     state.record_bucket(named, hook_s=time.perf_counter() - start)  # the thread counts the exchange
     return fut
 
@@ -113,4 +109,7 @@ def _plain_allreduce(buffer: torch.Tensor, wire: torch.dtype, group) -> torch.fu
     # One pass: divided in fp32 and rounded once to the wire type, as gradzip's own fp16 and bf16 do.
     sent = torch.div(buffer, n, out=torch.empty(buffer.shape, dtype=wire, device=buffer.device))
     fut = dist.all_reduce(sent, group=group, async_op=True).get_future()
-    return fut.then(lambda f: buffer.copy_(f.value()[0]))
+    # The half-precision sum itself is the result: DDP copies each gradient's slice of it into p.grad,
+    # casting on the way, so the bucket need not be written first (PyTorch's fp16 hook copies it back
+    # into the bucket, a pass more).
+    return fut.then(lambda f: f.value()[0])

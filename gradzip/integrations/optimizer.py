@@ -168,7 +168,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 if p.grad is None:  # unused on this rank: contributes zeros, gets the average
                     p.grad = torch.zeros_like(p)
                 named.append((name, p.grad))
-            self._futures[b] = self.gradzip_state.submit(named, lambda aggregates: aggregates)
+            # The averages are written into p.grad itself, which no one reads before _finish waits.
+            self._futures[b] = self.gradzip_state.submit(named, lambda aggregates: aggregates,
+                                                         out=[g for _, g in named])
             b += 1
 
     def _pending(self) -> bool:
@@ -181,9 +183,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             with torch.no_grad():
                 for b, fut in sorted(self._futures.items()):
                     for (_, p), aggregate in zip(self._buckets[b], fut.wait()):
-                        if aggregate.is_cuda:  # made on gradzip's stream, read on this one
-                            aggregate.record_stream(torch.cuda.current_stream(aggregate.device))
-                        p.grad.copy_(aggregate)
+                        if aggregate is not p.grad:  # p.grad was replaced while the exchange ran
+                            p.grad.copy_(aggregate)
         finally:
             self._futures.clear()
             self._counts.clear()
