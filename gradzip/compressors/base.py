@@ -342,7 +342,7 @@ class GatheredCompressor(Compressor):
         raise NotImplementedError
 
     def combine(self, decoded: list, ctx: TensorContext) -> torch.Tensor:
-        total = decoded[0].clone()
+        total = ctx.buffer("aggregate", decoded[0].shape, decoded[0].dtype, decoded[0].device).copy_(decoded[0])
         for part in decoded[1:]:
             total += part
         return total.div_(len(decoded))
