@@ -41,3 +41,18 @@ def test_the_options_reach_train_config(monkeypatch):
     assert result.exit_code == 0, result.output
     assert seen[-1] == TrainConfig(compressor="topk", params={"ratio": 0.1}, workers=3, epochs=2, lr=0.5, clip=1.5,
                                    max_steps=7, resume=True, progress=False, name="x", out_dir="elsewhere")
+
+
+def test_the_run_builds_its_compressor_once_with_the_runs_momentum_where_it_applies_momentum(monkeypatch):
+    built = []
+    make = trainer.gradzip.make
+    monkeypatch.setattr(trainer.gradzip, "make", lambda name, **params: built.append(name) or make(name, **params))
+    cases = [(TrainConfig(compressor="dgc", momentum=0.8), 0.8, 0.8),                     # the run's momentum
+             (TrainConfig(compressor="dgc", params={"momentum": 0.5}, momentum=0.8), 0.5, 0.5),
+             (TrainConfig(compressor="dgc", params={"feedback": "residual"}, momentum=0.8), 0.9, None),  # default
+             (TrainConfig(compressor="signum", momentum=0.0), None, None)]
+    for config, momentum, given in cases:
+        built.clear()
+        compressor, params = trainer._compressor(config)
+        assert built == [config.compressor]
+        assert getattr(compressor, "momentum", None) == momentum and params.get("momentum") == given

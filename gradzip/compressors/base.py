@@ -334,6 +334,9 @@ class GatheredCompressor(Compressor):
     """
 
     same_size: ClassVar[bool] = True
+    #: True when ``decompress(fields, ctx, out)`` can decode into a given float32 tensor (error
+    #: feedback then subtracts this rank's decoded payload without a new full-size tensor).
+    decodes_into: ClassVar[bool] = False
 
     def compress(self, x: torch.Tensor, ctx: TensorContext) -> tuple:
         raise NotImplementedError
@@ -357,7 +360,8 @@ class GatheredCompressor(Compressor):
         gathered = yield AllGather(tuple(fields), same_size=self.same_size)
         aggregate = self.decoded_mean(gathered, ctx)
         if aggregate is not None:  # this rank's own payload is decoded only if feedback asks for it
-            return Exchanged(aggregate, lambda: self.decompress(fields, ctx))
+            into = (lambda out: self.decompress(fields, ctx, out)) if self.decodes_into else None
+            return Exchanged(aggregate, lambda: self.decompress(fields, ctx), sent_into=into)
         decoded = [self.decompress(f, ctx) for f in gathered]
         return Exchanged(self.combine(decoded, ctx), decoded[ctx.rank])
 

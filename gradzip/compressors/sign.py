@@ -75,11 +75,12 @@ def encode_signs(x: torch.Tensor) -> torch.Tensor:
     return pack_bits(torch.ge(flat, 0, out=workspace("signs", flat.numel(), torch.bool, flat.device)), 1)
 
 
-def decode_signs(packed: torch.Tensor, shape) -> torch.Tensor:
-    """Inverse of :func:`encode_signs`: +1.0 / -1.0 as float32 with ``shape``."""
+def decode_signs(packed: torch.Tensor, shape, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Inverse of :func:`encode_signs`: +1.0 / -1.0 as float32 with ``shape`` (into ``out`` if given)."""
     bits = unpack_bits(packed, 1, math.prod(shape))
     # 2b - 1 in int8 (exact), then one conversion: the same values as float(b) * 2 - 1.
-    return bits.view(torch.int8).mul_(2).sub_(1).float().reshape(shape)
+    signs = bits.view(torch.int8).mul_(2).sub_(1)
+    return signs.float().reshape(shape) if out is None else out.view(-1).copy_(signs).view(shape)
 
 
 def majority_vote(signs: list) -> torch.Tensor:
@@ -93,15 +94,20 @@ def majority_vote(signs: list) -> torch.Tensor:
     return total.sign_()
 
 
-def vote_of_bits(gathered: list, shape) -> torch.Tensor:
+def vote_of_bits(gathered: list, shape, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """:func:`majority_vote` of the ranks' packed sign bits, counted as integers: with c the number of
-    +1 votes among N, sum_r s_r = 2c - N exactly, so sign(2c - N) is the same vote."""
+    +1 votes among N, sum_r s_r = 2c - N exactly, so sign(2c - N) is the same vote (float32, into
+    ``out`` if given)."""
     n, world = math.prod(shape), len(gathered)
     count = workspace("votes", n, torch.int16 if world < 2**14 else torch.int32, gathered[0][0].device)
     count.copy_(unpack_bits(gathered[0][0], 1, n))
     for (packed,) in gathered[1:]:
         count += unpack_bits(packed, 1, n)
-    return count.mul_(2).sub_(world).sign_().float().reshape(shape)
+    return _as_float(count.mul_(2).sub_(world).sign_(), shape, out)
+
+
+def _as_float(values: torch.Tensor, shape, out: Optional[torch.Tensor]) -> torch.Tensor:
+    return values.float().reshape(shape) if out is None else out.view(-1).copy_(values).view(shape)
 
 
 def trits_nbytes(n: int) -> int:
@@ -155,14 +161,15 @@ def decode_trits(packed: torch.Tensor, n: int) -> torch.Tensor:
     return out[:n]
 
 
-def vote_of_trits(gathered: list, shape) -> torch.Tensor:
-    """sign(sum_r t_r) of the ranks' packed ternary codes, counted as integers (float32; ties 0)."""
+def vote_of_trits(gathered: list, shape, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """sign(sum_r t_r) of the ranks' packed ternary codes, counted as integers (float32, into ``out``
+    if given; ties 0)."""
     n, world = math.prod(shape), len(gathered)
     dtype = torch.int8 if world < 2**7 else torch.int16 if world < 2**15 else torch.int32
     count = workspace("votes", TRITS_PER_BYTE * trits_nbytes(n), dtype, gathered[0].device)
     for r, packed in enumerate(gathered):
         _add_trits(count, packed, add=r > 0)
-    return count[:n].sign_().float().reshape(shape)
+    return _as_float(count[:n].sign_(), shape, out)
 
 
 def _bits_bytes(ctx: TensorContext) -> int:
@@ -259,26 +266,32 @@ class _SignVote(GatheredCompressor):
         codes = encode_trits(y) if self.ternary else encode_signs(y)
         return (mean_abs(y), codes) if self.scaled else (codes,)
 
-    def decompress(self, fields, ctx):
+    def decompress(self, fields, ctx, out: Optional[torch.Tensor] = None):
         """One rank's contribution as the receivers read it: s_r * sign(y_r) (or sign(y_r) unscaled)."""
         n = ctx.shape.numel()
-        signs = decode_trits(fields[-1], n).float() if self.ternary else decode_signs(fields[-1], (n,))
+        if self.ternary:
+            signs = _as_float(decode_trits(fields[-1], n), (n,), out)
+        else:
+            signs = decode_signs(fields[-1], (n,), out)
         return (signs.mul_(fields[0].reshape(())) if self.scaled else signs).reshape(ctx.shape)
 
     def exchange(self, x, ctx):
         # Vote on the codes directly; decode this rank's own signs only if error feedback asks for them.
         fields = self.compress(x, ctx)
         gathered = yield AllGather(tuple(fields), same_size=True)
+        aggregate = ctx.buffer("aggregate", ctx.shape, torch.float32, x.device)
         if self.ternary:
-            vote = vote_of_trits([f[-1] for f in gathered], ctx.shape)
+            vote = vote_of_trits([f[-1] for f in gathered], ctx.shape, aggregate)
         else:
-            vote = vote_of_bits([f[-1:] for f in gathered], ctx.shape)
+            vote = vote_of_bits([f[-1:] for f in gathered], ctx.shape, aggregate)
         if self.scaled:  # summed in rank order: the same float on every rank
             scale = gathered[0][0].clone()
             for fields_r in gathered[1:]:
                 scale += fields_r[0]
             vote.mul_(scale.div_(len(gathered)).reshape(()))
-        return Exchanged(vote, lambda: self.decompress(gathered[ctx.rank], ctx))
+        own = gathered[ctx.rank]
+        return Exchanged(vote, lambda: self.decompress(own, ctx),
+                         sent_into=lambda out: self.decompress(own, ctx, out.view(-1)))
 
     def payload_bytes(self, ctx, kept=None):
         n = ctx.shape.numel()
@@ -339,21 +352,24 @@ class Signum(_SignVote):
         """Signum's momentum is this compressor's state: the optimizer must add none."""
         return True
 
-    def _momentum(self, m: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """beta * m + (1 - beta) * x (a fresh tensor: the committed m may still be read)."""
-        if all(t.dtype == torch.float32 and t.is_contiguous() for t in (m, x)) and kernels.enabled(x.numel()):
+    def _momentum(self, m: torch.Tensor, x: torch.Tensor, ctx: TensorContext) -> torch.Tensor:
+        """beta * m + (1 - beta) * x, never in the committed m's memory (it may still be read): in its
+        spare where the state keeps one, else in a fresh tensor (fused where that pays)."""
+        fusable = all(t.dtype == torch.float32 and t.is_contiguous() for t in (m, x))
+        if ctx.buffers is None and fusable and kernels.enabled(x.numel()):
             fused = _momentum(m, x, beta=self.beta)  # same layout, so mean_abs adds in the same order
             if fused is not None:
                 return fused
         step = torch.mul(x, 1 - self.beta, out=workspace("signum", x.numel(), x.dtype, x.device).view(x.shape))
-        return torch.mul(m, self.beta).add_(step)
+        out = ctx.spare(self.state_key, m) if m.is_contiguous() else None  # a spare is contiguous
+        return torch.mul(m, self.beta, out=out).add_(step)
 
     def signs_of(self, x, ctx):
         m = ctx.get(self.state_key)
         if m is None:
             m = (1 - self.beta) * x
         else:  # beta * m + (1 - beta) * x, rounded as written
-            m = self._momentum(m, x)
+            m = self._momentum(m, x, ctx)
         ctx.set(self.state_key, m)
         return m
 
@@ -381,9 +397,19 @@ class EFSignSGD(GatheredCompressor):
     def compress(self, x, ctx):
         return mean_abs(x), encode_signs(x)
 
-    def decompress(self, fields, ctx):
+    decodes_into = True
+
+    def decompress(self, fields, ctx, out: Optional[torch.Tensor] = None):
         scale, packed = fields
-        return decode_signs(packed, ctx.shape).mul_(scale.reshape(()))
+        return decode_signs(packed, ctx.shape, out).mul_(scale.reshape(()))
+
+    def decoded_mean(self, gathered, ctx):
+        # combine()'s sum in rank order, each rank decoded into reused memory: the same floats.
+        total = self.decompress(gathered[0], ctx, ctx.buffer("aggregate", ctx.shape, torch.float32, gathered[0][1].device))
+        for fields in gathered[1:]:
+            total += self.decompress(fields, ctx, workspace("decoded", ctx.shape.numel(), torch.float32,
+                                                            total.device).view(ctx.shape))
+        return total.div_(len(gathered))
 
     def payload_bytes(self, ctx, kept=None):
         return 4 + _bits_bytes(ctx)

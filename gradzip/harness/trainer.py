@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 import gradzip
-from gradzip.compressors import Compressor, parse_value
+from gradzip.compressors import Compressor, compressor_class, parse_value
 from gradzip.integrations.diloco import OPTIONS as OUTER_OPTIONS, check_options
 from gradzip.launcher import free_port, wait_for_workers
 
@@ -402,15 +402,15 @@ def _restart_store(rank: int, world: int):
 def _compressor(config: TrainConfig) -> tuple[Compressor, dict]:
     """The run's compressor, built once per worker, and the parameters it was built with."""
     params = dict(config.params)
-    compressor = gradzip.make(config.compressor, **params)
-    # A method that applies momentum itself (DGC's momentum correction, Signum) gets none from the
-    # optimizer on top (see _optimizer); DGC takes the run's momentum, Signum keeps its own beta.  Under an
-    # outer loop the method compresses pseudo-gradients, not the optimizer's gradients.
-    own_momentum = config.outer is None and compressor.applies_momentum
-    if own_momentum and "momentum" in gradzip.parameters_of(config.compressor) and "momentum" not in params:
+    # A method whose error feedback is DGC's momentum correction applies momentum itself and takes the
+    # run's momentum (DGC, CSC); the optimizer then adds none (see _optimizer), as for Signum, which keeps
+    # its own beta.  Under an outer loop the method compresses pseudo-gradients, not the optimizer's
+    # gradients.
+    feedback = params.get("feedback", compressor_class(config.compressor).default_feedback)
+    if (config.outer is None and feedback == "momentum" and "momentum" not in params
+            and "momentum" in gradzip.parameters_of(config.compressor)):
         params["momentum"] = config.momentum
-        compressor = gradzip.make(config.compressor, **params)  # only here: the run's momentum goes to DGC
-    return compressor, params
+    return gradzip.make(config.compressor, **params), params
 
 
 def _optimizer(config: TrainConfig, parameters, compressor: Compressor) -> torch.optim.Optimizer:
