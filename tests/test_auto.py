@@ -208,16 +208,47 @@ def test_a_rejected_plan_hands_verification_to_the_next_candidate_that_passed():
     assert choice == [2, 2] and cost == pytest.approx([0.08, 0.1])
 
 
+def test_exploration_steps_order_the_verifications_and_spare_the_hopeless_ones():
+    """Top-k's exchange is cheapest, but fp16's whole exploration steps were the fastest: fp16 is
+    verified first, and once it wins, Top-k (explored slower than fp16) is not verified at all.  A plan
+    whose exploration steps were no faster than dense's is never verified."""
+    three = ("none", "fp16", "topk:ratio=0.01")
+    times = [[1.0, 1.0], [0.5, 0.5], [0.3, 0.3]]
+    explored = {"times": times, "periods": [[0.10, 0.11], [0.08, 0.09], [0.09, 0.09]]}
+    for state in _agree([explored] * 2, 6, three):
+        assert (state.plan, state.choice) == (1, None)
+        assert state.explored.tolist() == pytest.approx([0.10, 0.08, 0.09])
+    # Without verification the cheapest exchange is final, as before.
+    assert [s.choice for s in _agree([explored] * 2, 6, three, verify=0)] == [2, 2]
+    # fp16 wins its verification: Top-k is spared, fp16 is the choice.
+    fp16_first = {"plan": 1, "cost": [1.0, 0.5, 0.3], "explored": [0.10, 0.08, 0.09]}
+    choice, cost, _ = _verified([[(0.08, 0.1)]] * 2, three, fp16_first)
+    assert choice == [1, 1] and cost == pytest.approx([0.08, 0.1])
+    # fp16 loses it: Top-k, faster than dense in exploration, still gets its turn.
+    for state in _verified([[(0.099, 0.1)]] * 2, three, fp16_first)[2]:
+        assert (state.plan, state.choice, state.best) == (2, None, None)
+    # Exploration steps no faster than dense's: no plan, dense without a verification.
+    slow = {"times": times, "periods": [[0.10, 0.11], [0.10, 0.12], [0.11, 0.13]]}
+    assert [(s.choice, s.plan) for s in _agree([slow] * 2, 6, three)] == [(0, None)] * 2
+
+
 def test_verification_on_a_real_slow_link_keeps_the_plan_unless_it_slows_the_step():
-    # Two processes over gloo, every exchange through an emulated 25 MB/s link.  Exploration picks
-    # Top-k (a 1 ms exchange against 21 ms dense) both times; the step clock then decides.
-    for busy_s, expected in ((0.0, "topk:ratio=0.01"), (0.06, "none")):
-        results = run_workers(workers.auto_on_a_slow_link, 2, 13, busy_s)
+    # Two processes over gloo, every exchange through an emulated 25 MB/s link.  Exploration (steps 0
+    # and 1) picks Top-k's exchange (1 ms against 21 ms dense) every time; whole steps then decide.
+    # Top-k's exploration step far ahead of dense's: kept unverified.  A codec that slows whole steps
+    # as much in exploration loses there, with no verification; one that slows them a little in
+    # exploration and more later is verified, and loses its verification.
+    for busy_s, busy_exploring_s, expected in ((0.0, None, "topk:ratio=0.01"), (0.06, None, "none"),
+                                               (0.06, 0.015, "none")):
+        results = run_workers(workers.auto_on_a_slow_link, 2, 13, busy_s, busy_exploring_s)
         params, choices, costs, residual = results[0]
         assert set(choices.values()) == {expected}, (busy_s, choices, costs)
         assert all(torch.equal(r[0], params) and r[1] == choices for r in results[1:])
-        plan_s, dense_s = costs["0.weight"].tolist()
-        assert (plan_s < dense_s) == (expected != "none")
+        step_cost = costs["0.weight"]
+        assert (step_cost is None) == (busy_s > 0 and busy_exploring_s is None), costs
+        if step_cost is not None:
+            plan_s, dense_s = step_cost.tolist()
+            assert (plan_s < dense_s) == (expected != "none")
         assert residual == (expected != "none")  # a dense choice leaves no residual behind
 
 

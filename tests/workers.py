@@ -273,11 +273,11 @@ def ddp_auto_against_plain_ddp(rank, world, steps):
     return out
 
 
-def auto_on_a_slow_link(rank, world, steps, busy_after_compressed_s):
+def auto_on_a_slow_link(rank, world, steps, busy_after_compressed_s, busy_exploring_s=None):
     """auto (none or Top-k; plan at step 2, verified by step 11) on a 25 MB/s emulated link, with the
     optimizer integration so every step crosses the link.  ``busy_after_compressed_s``: extra compute
-    after each step that compressed, as a codec taking time from backward would; the exchange's own
-    time does not show it.  Returns parameters, choices, step costs and whether a residual is left."""
+    after each step that compressed, as a codec taking time from backward would (``busy_exploring_s``
+    in exploration's steps 0 and 1, if given); the exchange's own time does not show it.  Returns parameters, choices, step costs and whether a residual is left."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 10))
     base = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -292,8 +292,9 @@ def auto_on_a_slow_link(rank, world, steps, busy_after_compressed_s):
         model(x).square().mean().backward()
         opt.step()
         after = state.stats()
-        if after["payload_bytes"] - before["payload_bytes"] < 0.5 * (after["dense_bytes"] - before["dense_bytes"]):
-            time.sleep(busy_after_compressed_s)
+        compressed = after["payload_bytes"] - before["payload_bytes"] < 0.5 * (after["dense_bytes"] - before["dense_bytes"])
+        if compressed:
+            time.sleep(busy_exploring_s if step < 2 and busy_exploring_s is not None else busy_after_compressed_s)
     cost = {key: slot.get("auto_step_cost") for key, slot in state.tensors.items()}
     residual = any("residual" in slot for slot in state.tensors.values())
     return _flat(model), state.compressor.choices(state.tensors), cost, residual

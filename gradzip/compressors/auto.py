@@ -119,19 +119,21 @@ class Auto(Compressor):
        network without the skew all candidates suffer alike); candidates with ``cost_c > drop *
        min cost`` leave the race, and their later turns run the cheapest candidate instead, so every
        bucket stays on one schedule.
-    2. Plan: ``p = argmin cost``, unless that is not ``margin`` faster than ``none`` or saves less than
-       ``min_saving_ms`` per step (a bucket's gain within noise); then ``none``.
+    2. Plan: the contenders are the candidates ``margin`` faster than ``none`` that save at least
+       ``min_saving_ms`` per step (a bucket's gain within noise), and whose whole exploration steps
+       (``T_c``: this rank's :class:`StepClock`, min over trials and ranks) beat ``T_none``; none of
+       them: ``none``.  Without verification ``p = argmin cost`` among them; with it, the contender of
+       the fastest ``T_c`` goes first.
     3. Verification (``verify`` repetitions, when the plan compresses and ``none`` is a candidate):
        an exchange's time cannot show what a codec takes from backward or how much of the exchange
        backward already hid, so the plan must also win on the whole step.  Each repetition runs the
        plan for 4 steps, then dense for 5, timing 3 whole steps of each from this rank's
        :class:`StepClock` (the state tells :meth:`observe_step` when each bucket's exchange starts,
        dense ones included).  With T = mean over ranks of the median over repetitions, the bucket keeps
-       its plan only if ``T_plan < (1 - step_margin) * T_dense``.  Then the next candidate that passed
-       step 2's test, by exchange cost, is verified the same way (a Top-k whose codec slows the step
-       may lose to fp16), and the bucket takes the fastest plan that won, else sends densely.  Exploration
-       steps are clocked too (T_c: min over trials and ranks); a plan with ``T_p < 0.5 T_none`` there
-       is kept unverified.
+       its plan only if ``T_plan < (1 - step_margin) * T_dense``.  Then the next contender by ``T_c``
+       is verified the same way (a Top-k whose codec slows the step may lose to fp16), unless a plan
+       already won with a smaller ``T_c``, and the bucket takes the fastest plan that won, else sends
+       densely.  A plan with ``T_p < 0.5 T_none`` is kept unverified.
 
     Every rank computes each decision from the same reduced vector, so all ranks agree.  A tensor that
     ends up dense is left to the integration's dense path (the DDP hook hands a bucket that is dense
@@ -319,18 +321,23 @@ class Auto(Compressor):
         return len(self._built) * 4
 
     def _agree_plan(self, state: AutoState, ctx):
-        """The plan: the fastest candidate, if it clearly beats dense's exchange."""
+        """The plan: among the candidates whose exchange clearly beats dense's and whose exploration steps
+        were faster than dense's, the first in the verification order (the cheapest exchange if there is
+        no verification)."""
         C = len(self._built)
         measured = yield from self._costs(torch.cat([state.times, state.periods]))
         measured, step_cost = measured[:C], measured[C:]
+        state.cost, state.explored = measured, step_cost
         if self._none is not None:  # compared with dense's measured cost, even if it left the race
             # A candidate that leaves this tensor dense (PowerSGD and a bias) follows the bucket: all its
             # tensors then verify the same plans in the same order.
-            worth = (state.active | ~self._eligible(ctx)) & self._worth(measured)
-            best = int(torch.argmin(torch.where(worth, measured, math.inf))) if bool(worth.any()) else self._none
+            worth = (state.active | ~self._eligible(ctx)) & self._worth(measured) & ~self._no_faster(step_cost, None)
+            order = [i for i in self._verification_order(state) if worth[i]]
+            # Without verification the cheapest exchange is final; with it, the likeliest winner goes first.
+            cheapest = int(torch.argmin(torch.where(worth, measured, math.inf))) if order else self._none
+            best = order[0] if order and self.verify > 0 else cheapest
         else:
             best = int(torch.argmin(torch.where(state.active & self._eligible(ctx), measured, math.inf)))
-        state.cost = measured
         state.times, state.active, state.periods, state.ran = (  # exploration's records are done with
             self._blank.times, self._blank.active, self._blank.periods, None)
         if best == self._none or self.verify == 0 or self._none is None:
@@ -346,6 +353,21 @@ class Auto(Compressor):
         dense's: ``margin`` faster and ``min_saving_ms`` saved (the others would stay within its noise)."""
         dense = measured[self._none]
         return (measured < (1 - self.margin) * dense) & (dense - measured >= self.min_saving_ms / 1e3)
+
+    def _verification_order(self, state: AutoState) -> list:
+        """Candidates in the order their plans are verified: the fastest whole exploration step first
+        (the likeliest winner, whose steps then rule out slower plans), ties (as unmeasured) by exchange
+        cost, then candidate order."""
+        keys = zip(state.explored.tolist(), state.cost.tolist(), range(len(self._built)))
+        return [index for *_, index in sorted(keys)]
+
+    def _no_faster(self, explored: torch.Tensor, best: Optional[int]) -> torch.Tensor:
+        """The candidates whose whole exploration steps were no faster than dense's, or than those of
+        ``best`` (a plan that won its verification): not worth a verification's slow dense steps.  Dense's
+        exploration steps ran auto's own exchange, slower than the plain allreduce, so this errs towards
+        verifying; inf (not measured, as after a resumed run) rules nothing out."""
+        rival = explored[self._none] if best is None else torch.minimum(explored[self._none], explored[best])
+        return torch.isfinite(explored) & (explored >= rival)
 
     def _record_explored_step(self, state: AutoState, steps: tuple) -> None:
         """The step before this one ran candidate ``state.ran`` everywhere: its whole step's time."""
@@ -389,14 +411,14 @@ class Auto(Compressor):
         if state.best is None or (wins and plan_s < float(state.step_cost[0])):
             state.step_cost = torch.tensor([plan_s, dense_s], dtype=torch.float64)
             state.best = state.plan if wins else None
-        # Plans are verified in order of exchange cost (ties: candidate order), so the ones after this
-        # plan are those not tried yet.  A cheaper exchange may slow the step (a codec taking backward's
-        # core), so every plan that beat dense's exchange gets its turn, from this step on.
-        cost, index = state.cost, torch.arange(len(self._built))
-        after = (cost > cost[state.plan]) | ((cost == cost[state.plan]) & (index > state.plan))
-        left = self._worth(cost) & after
-        if bool(left.any()):
-            state.plan = int(torch.argmin(torch.where(left, cost, math.inf)))
+        # The plans after this one in the verification order are those not tried yet.  A cheaper exchange
+        # may slow the step (a codec taking backward's core), so every plan that beat dense's exchange gets
+        # its turn, from this step on, unless its exploration steps were no faster than the winner's.
+        order = self._verification_order(state)
+        contenders = self._worth(state.cost) & ~self._no_faster(state.explored, state.best)
+        left = [i for i in order[order.index(state.plan) + 1:] if contenders[i]]
+        if left:
+            state.plan = left[0]
             state.begin += self._schedule.verify * REPETITION
         else:
             state.choice = state.best if state.best is not None else self._none

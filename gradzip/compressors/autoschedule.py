@@ -46,6 +46,7 @@ class AutoState:
     cost: torch.Tensor  # (candidates,): agreed exchange costs (min over ranks and trials)
     steps: torch.Tensor  # (2, verify): whole-step times of the plan and of dense per repetition
     step_cost: torch.Tensor  # (2,): agreed whole-step times [plan, dense] behind the choice
+    explored: torch.Tensor  # (candidates,): agreed whole exploration steps (min over ranks and trials)
     begin: Optional[int] = None  # the step its exploration began (None: not yet)
     ran: Optional[int] = None  # the candidate the previous exploration step ran (its whole step is timed)
     plan: Optional[int] = None  # the candidate under verification
@@ -54,7 +55,7 @@ class AutoState:
 
     # Saved under these names (the per-tensor state holds tensors only, for weights_only checkpoints).
     _INDICES = ("begin", "ran", "plan", "choice", "best")
-    _TENSORS = ("times", "periods", "active", "cost", "steps", "step_cost")
+    _TENSORS = ("times", "periods", "active", "cost", "steps", "step_cost", "explored")
 
     @classmethod
     def blank(cls, config: ScheduleConfig) -> "AutoState":
@@ -63,7 +64,7 @@ class AutoState:
             return torch.full(shape, math.inf, dtype=torch.float64)
         c, t = config.candidates, config.trials
         return cls(unmeasured(c, t), unmeasured(c, t), torch.ones(c, dtype=torch.bool), unmeasured(c),
-                   unmeasured(2, config.verify), unmeasured(2))
+                   unmeasured(2, config.verify), unmeasured(2), unmeasured(c))
 
     @classmethod
     def load(cls, get: Callable, blank: "AutoState") -> "AutoState":
@@ -73,6 +74,7 @@ class AutoState:
         return cls(_or(get("auto_times"), blank.times), _or(get("auto_periods"), blank.periods),
                    _or(get("auto_active"), blank.active), _or(get("auto_cost"), blank.cost),
                    _or(get("auto_steps"), blank.steps), _or(get("auto_step_cost"), blank.step_cost),
+                   _or(get("auto_explored"), blank.explored),
                    *(None if index is None else int(index) for index in indices))
 
     def saved(self, blank: "AutoState") -> dict:
