@@ -266,7 +266,7 @@ def bench_e2e(
     typer.echo(text)
     if out:
         Path(out).write_text(text)
-        e2e.plot(results, str(Path(out).with_suffix(".png")))
+        e2e.plot(results, str(Path(out).with_suffix(".png")), workers)
 
 
 @app.command()

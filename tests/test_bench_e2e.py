@@ -75,20 +75,23 @@ def test_plot_marks_a_crashed_contender_in_the_legend(tmp_path, monkeypatch):
 
     legends = []
     savefig = Figure.savefig
+    titles = []
     monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: (legends.extend(
-        t.get_text() for ax in fig.axes for t in ax.get_legend().get_texts()), savefig(fig, *a, **k)))
+        t.get_text() for ax in fig.axes for t in ax.get_legend().get_texts()),
+        titles.extend(ax.get_title() for ax in fig.axes), savefig(fig, *a, **k)))
     rows = [e2e.Result(link, "dense allreduce", t, t / 300, 0.8) for link, t in (("rate=100mbit", 200.0),
                                                                                    ("unthrottled", 20.0))]
     rows += [e2e.Result(link, "torch PowerSGD hook", error="worker(s) [0] failed")
              for link in ("rate=100mbit", "unthrottled")]
-    e2e.plot(rows, str(tmp_path / "plot.png"))
+    e2e.plot(rows, str(tmp_path / "plot.png"), 2)
     assert (tmp_path / "plot.png").stat().st_size > 0
     assert legends == ["dense allreduce", "torch PowerSGD hook: crashed"]
+    assert titles == ["Epoch time vs bandwidth (2 workers, Fashion-MNIST CNN)"]
 
     legends.clear()  # more crashed contenders than crash markers: every one still gets its entry
     crashed = [f"gradzip method {k}" for k in range(6)]
     e2e.plot(rows[:2] + [e2e.Result("unthrottled", label, error="worker(s) [0] failed") for label in crashed],
-             str(tmp_path / "plot6.png"))
+             str(tmp_path / "plot6.png"), 4)
     assert legends == ["dense allreduce"] + [f"{label}: crashed" for label in crashed]
 
 

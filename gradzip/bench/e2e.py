@@ -303,8 +303,8 @@ def _hook_targets(results, by, link, ours, dense, limit) -> list[str]:
     return lines
 
 
-def plot(results: list[Result], path: str) -> None:
-    """Epoch time against link bandwidth, one line per contender (log-log)."""
+def plot(results: list[Result], path: str, workers: int) -> None:
+    """Epoch time against link bandwidth, one line per contender (log-log), for a run of ``workers``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -330,7 +330,7 @@ def plot(results: list[Result], path: str) -> None:
     ax.set_xticks(list(speeds.values()), ["100 Mbit/s", "1 Gbit/s", "10 Gbit/s", "unthrottled"])
     ax.set_xlabel("link bandwidth per worker (emulated, tbf)")
     ax.set_ylabel("training epoch time (s)")
-    ax.set_title("Epoch time vs bandwidth (4 workers, Fashion-MNIST CNN)")
+    ax.set_title(f"Epoch time vs bandwidth ({workers} workers, Fashion-MNIST CNN)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
