@@ -50,6 +50,7 @@ def test_the_run_builds_its_compressor_once_with_the_runs_momentum_where_it_appl
     cases = [(TrainConfig(compressor="dgc", momentum=0.8), 0.8, 0.8),                     # the run's momentum
              (TrainConfig(compressor="dgc", params={"momentum": 0.5}, momentum=0.8), 0.5, 0.5),
              (TrainConfig(compressor="dgc", params={"feedback": "residual"}, momentum=0.8), 0.9, None),  # default
+             (TrainConfig(compressor="dgc", params={"feedback": None}, momentum=0.8), 0.8, 0.8),  # None: the default scheme
              (TrainConfig(compressor="signum", momentum=0.0), None, None)]
     for config, momentum, given in cases:
         built.clear()

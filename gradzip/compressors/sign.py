@@ -75,12 +75,16 @@ def encode_signs(x: torch.Tensor) -> torch.Tensor:
     return pack_bits(torch.ge(flat, 0, out=workspace("signs", flat.numel(), torch.bool, flat.device)), 1)
 
 
+def _as_float(values: torch.Tensor, shape, out: Optional[torch.Tensor]) -> torch.Tensor:
+    """``values`` as float32 with ``shape``, in a fresh tensor or converted into ``out``."""
+    return values.float().reshape(shape) if out is None else out.view(-1).copy_(values).view(shape)
+
+
 def decode_signs(packed: torch.Tensor, shape, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Inverse of :func:`encode_signs`: +1.0 / -1.0 as float32 with ``shape`` (into ``out`` if given)."""
     bits = unpack_bits(packed, 1, math.prod(shape))
     # 2b - 1 in int8 (exact), then one conversion: the same values as float(b) * 2 - 1.
-    signs = bits.view(torch.int8).mul_(2).sub_(1)
-    return signs.float().reshape(shape) if out is None else out.view(-1).copy_(signs).view(shape)
+    return _as_float(bits.view(torch.int8).mul_(2).sub_(1), shape, out)
 
 
 def majority_vote(signs: list) -> torch.Tensor:
@@ -104,10 +108,6 @@ def vote_of_bits(gathered: list, shape, out: Optional[torch.Tensor] = None) -> t
     for (packed,) in gathered[1:]:
         count += unpack_bits(packed, 1, n)
     return _as_float(count.mul_(2).sub_(world).sign_(), shape, out)
-
-
-def _as_float(values: torch.Tensor, shape, out: Optional[torch.Tensor]) -> torch.Tensor:
-    return values.float().reshape(shape) if out is None else out.view(-1).copy_(values).view(shape)
 
 
 def trits_nbytes(n: int) -> int:
@@ -390,14 +390,13 @@ class EFSignSGD(GatheredCompressor):
 
     name = "efsignsgd"
     default_feedback = "residual"
+    decodes_into = True
 
     def __init__(self, feedback: Optional[str] = None):
         super().__init__(feedback)
 
     def compress(self, x, ctx):
         return mean_abs(x), encode_signs(x)
-
-    decodes_into = True
 
     def decompress(self, fields, ctx, out: Optional[torch.Tensor] = None):
         scale, packed = fields

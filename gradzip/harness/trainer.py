@@ -406,7 +406,7 @@ def _compressor(config: TrainConfig) -> tuple[Compressor, dict]:
     # run's momentum (DGC, CSC); the optimizer then adds none (see _optimizer), as for Signum, which keeps
     # its own beta.  Under an outer loop the method compresses pseudo-gradients, not the optimizer's
     # gradients.
-    feedback = params.get("feedback", compressor_class(config.compressor).default_feedback)
+    feedback = params.get("feedback") or compressor_class(config.compressor).default_feedback  # as make() resolves it
     if (config.outer is None and feedback == "momentum" and "momentum" not in params
             and "momentum" in gradzip.parameters_of(config.compressor)):
         params["momentum"] = config.momentum
