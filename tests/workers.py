@@ -277,7 +277,8 @@ def auto_on_a_slow_link(rank, world, steps, busy_after_compressed_s, busy_explor
     """auto (none or Top-k; plan at step 2, verified by step 11) on a 25 MB/s emulated link, with the
     optimizer integration so every step crosses the link.  ``busy_after_compressed_s``: extra compute
     after each step that compressed, as a codec taking time from backward would (``busy_exploring_s``
-    in exploration's steps 0 and 1, if given); the exchange's own time does not show it.  Returns parameters, choices, step costs and whether a residual is left."""
+    in exploration's steps 0 and 1, if given); the exchange's own time does not show it.  Returns
+    parameters, choices, step costs and whether a residual is left."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 10))
     base = torch.optim.SGD(model.parameters(), lr=0.05)
