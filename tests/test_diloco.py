@@ -217,11 +217,15 @@ def _resumed(rank, world, tmp):
     return out
 
 
-def _lost_peer(rank, world, how, overlap):
+def _lost_peer(rank, world, how, overlap, store_path):
     """Rank 1 exits (or hangs) just before the second sync; rank 0 must fail fast with a clear error (with
     overlap: when it waits for that sync's exchange, at the next step)."""
     dist.destroy_process_group()
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=5))
+    # The group's 5 s timeout is for its collectives; the rendezvous gets a store of its own with a longer
+    # one, since on a loaded machine a rank can take more than 5 s to get here.
+    store = dist.FileStore(store_path, world)
+    store.set_timeout(datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=5))
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     outer = gradzip.DiLoCo(model, opt, sync_every=2, compressor="topk", ratio=0.1, overlap=overlap)
@@ -367,9 +371,9 @@ def test_overlap_merges_each_exchange_one_step_late(ranks, alpha):
 
 @pytest.mark.parametrize("how", ["exits", "hangs"])
 @pytest.mark.parametrize("overlap", [False, True])
-def test_a_lost_peer_stops_the_others_with_a_clear_error(how, overlap):
+def test_a_lost_peer_stops_the_others_with_a_clear_error(how, overlap, tmp_path):
     with pytest.raises(RuntimeError) as err:
-        run_workers(_lost_peer, 2, how, overlap, timeout=60)
+        run_workers(_lost_peer, 2, how, overlap, str(tmp_path / "store"), timeout=60)
     text = str(err.value)
     found = re.search(r"rank 0 stopped after ([\d.]+) s: DiLoCo: the sync at inner step 4 failed", text)
     assert found, text[-2000:]
