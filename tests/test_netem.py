@@ -103,10 +103,16 @@ def test_training_over_an_emulated_link(tmp_path):
     assert leftover_namespaces() == []
 
 
+def _default_sigint():
+    # A shell that starts the test run in the background hands its children SIGINT ignored, and Python then
+    # keeps it ignored; the launcher should see Ctrl-C as a user at a terminal sends it.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start_and_wait_for_pids(tmp_path, world=2):
     proc = subprocess.Popen([sys.executable, "-m", "gradzip", "train", *DIGITS, "-n", str(world), "--epochs", "200",
                              "--netem", "rate=100mbit", "--out-dir", str(tmp_path), "--name", "r"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=_default_sigint)
     deadline = time.time() + 60
     while time.time() < deadline:
         metrics = tmp_path / "r" / "metrics.jsonl"
@@ -117,12 +123,22 @@ def _start_and_wait_for_pids(tmp_path, world=2):
     raise AssertionError("training did not start")
 
 
+def _stop(proc):
+    """A launcher a failed test leaves running gets SIGTERM, which unwinds through its cleanup."""
+    if proc.poll() is None:
+        proc.terminate()
+        proc.communicate(timeout=60)
+
+
 @needs_root
 def test_killed_worker_leaves_nothing_behind(tmp_path):
     proc = _start_and_wait_for_pids(tmp_path)
-    assert leftover_namespaces(proc.pid)
-    os.kill(int((tmp_path / "r" / "rank1.pid").read_text()), signal.SIGKILL)
-    proc.communicate(timeout=120)
+    try:
+        assert leftover_namespaces(proc.pid)
+        os.kill(int((tmp_path / "r" / "rank1.pid").read_text()), signal.SIGKILL)
+        proc.communicate(timeout=120)
+    finally:
+        _stop(proc)
     assert proc.returncode != 0
     assert leftover_namespaces(proc.pid) == []
 
@@ -131,7 +147,10 @@ def test_killed_worker_leaves_nothing_behind(tmp_path):
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_interrupted_launcher_leaves_nothing_behind(tmp_path, sig):
     proc = _start_and_wait_for_pids(tmp_path)
-    proc.send_signal(sig)
-    proc.communicate(timeout=120)
+    try:
+        proc.send_signal(sig)
+        proc.communicate(timeout=120)
+    finally:
+        _stop(proc)
     assert proc.returncode != 0
     assert leftover_namespaces(proc.pid) == []
