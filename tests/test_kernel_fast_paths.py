@@ -16,11 +16,31 @@ from gradzip.bits import pack_bits, select, unpack_bits
 from gradzip.collectives import LocalTransport, run_lockstep
 from gradzip.compressors.base import Exchanged, TensorContext
 from gradzip.compressors.dense import NoCompression
+from gradzip.compressors.sketch import median_of_rows
 from gradzip.compressors.sparse import random_positions, top_k, top_k_abs
 
 
 def randn(*shape, seed=0):
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+# -- the count sketch's median: a sorting network, torch.median's values ----------------------------------
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 16, 17])
+def test_median_of_rows_is_torch_median(rows):
+    a = randn(rows, 3000, seed=rows)
+    a[:, :50] = 0.0  # ties
+    a[:, 50:100] = a[0, 50:100].clone()
+    a[torch.arange(rows), 100 + torch.arange(rows)] = float("inf")
+    a[torch.arange(rows), 200 + torch.arange(rows)] = float("-inf")
+    for r in range(rows):  # a NaN in any one row, and in every row
+        a[r, 300 + r] = float("nan")
+    a[:, 400] = float("nan")
+    want = a.median(dim=0).values
+    got = median_of_rows(a.clone())
+    assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.isnan(want[300 : 300 + rows]).all()
+    assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0))
 
 
 # -- top_k: sampled pre-filter, exact result -----------------------------------------------------------

@@ -10,6 +10,32 @@ from .base import AllReduce, Compressor, Exchanged, TensorContext, check_ratio
 from .registry import register
 
 
+#: Up to this many rows the sorting network below is faster than ``torch.median``.
+_NETWORK_ROWS = 16
+
+
+def median_of_rows(a: torch.Tensor) -> torch.Tensor:
+    """``a.median(dim=0).values`` of a 2-D ``a`` (the lower median for an even row count, NaN where a
+    column holds one), overwriting ``a``.
+
+    ``torch.median`` along the short first dimension of a (rows, n) tensor works column by column,
+    slowly on CPUs (0.2 s for 5 x 2M).  Odd-even transposition sort (Knuth, TAOCP vol. 3, 5.3.4) sorts
+    every column at once with elementwise minimum / maximum over whole rows, 3x faster for 5 rows.
+    minimum and maximum return one of their inputs, so the median is the same value, and they propagate
+    NaN, which spreads through the network to the median position as in ``torch.median`` (tested).
+    """
+    rows = a.shape[0]
+    if rows > _NETWORK_ROWS:
+        return a.median(dim=0).values
+    for r in range(rows):
+        lo, hi = a[r % 2 : rows - 1 : 2], a[r % 2 + 1 : rows : 2]
+        if lo.shape[0]:
+            smaller = torch.minimum(lo, hi)
+            torch.maximum(lo, hi, out=hi)
+            lo.copy_(smaller)
+    return a[(rows - 1) // 2]
+
+
 @register
 class Sketch(Compressor):
     """Count sketch with heavy-hitter recovery (Ivkin, Rothchild, Ullah, Braverman, Stoica & Arora,
@@ -65,11 +91,12 @@ class Sketch(Compressor):
         k, cols = self.sizes(ctx)
         gen = ctx.generator(x.device, shared=True, salt="sketch")
         buckets = torch.randint(cols, (self.rows, n), generator=gen, device=x.device)
-        signs = torch.randint(2, (self.rows, n), generator=gen, device=x.device).float().mul_(2).sub_(1)
+        # Drawn as float32 directly: the same values and generator state as int64 draws, without the copy.
+        signs = torch.randint(2, (self.rows, n), generator=gen, device=x.device, dtype=torch.float32).mul_(2).sub_(1)
         sketch = torch.zeros(self.rows, cols, dtype=torch.float32, device=x.device)
         sketch.scatter_add_(1, buckets, signs * flat)
         total = yield AllReduce(sketch)
-        estimate = (signs * total.gather(1, buckets)).median(dim=0).values
+        estimate = median_of_rows(total.gather(1, buckets).mul_(signs))
         idx = torch.topk(estimate.abs(), k, sorted=False).indices
         mine = flat[idx]
         values = yield AllReduce(mine)
