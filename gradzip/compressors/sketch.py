@@ -27,10 +27,12 @@ def median_of_rows(a: torch.Tensor) -> torch.Tensor:
     rows = a.shape[0]
     if rows > _NETWORK_ROWS:
         return a.median(dim=0).values
+    # One scratch for every round: a fresh full-size result per round costs more in page faults than its arithmetic.
+    scratch = torch.empty((rows // 2, *a.shape[1:]), dtype=a.dtype, device=a.device)
     for r in range(rows):
         lo, hi = a[r % 2 : rows - 1 : 2], a[r % 2 + 1 : rows : 2]
         if lo.shape[0]:
-            smaller = torch.minimum(lo, hi)
+            smaller = torch.minimum(lo, hi, out=scratch[: lo.shape[0]])
             torch.maximum(lo, hi, out=hi)
             lo.copy_(smaller)
     return a[(rows - 1) // 2]
