@@ -99,7 +99,9 @@ class Sketch(Compressor):
         sketch.scatter_add_(1, buckets, signs * flat)
         total = yield AllReduce(sketch)
         estimate = median_of_rows(total.gather(1, buckets).mul_(signs))
-        idx = torch.topk(estimate.abs(), k, sorted=False).indices
+        # torch.topk, not the sampled top_k_abs: medians of shared buckets tie often, and which tied
+        # position wins must stay as it was for results to be reproducible.
+        idx = torch.topk(estimate.abs_(), k, sorted=False).indices
         mine = flat[idx]
         values = yield AllReduce(mine)
         aggregate = ctx.buffer("aggregate", (n,), torch.float32, x.device).zero_()
