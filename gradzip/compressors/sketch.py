@@ -59,7 +59,9 @@ class Sketch(Compressor):
     default) keeps p_r outside K: what was not applied.  The second round is Ivkin et al.'s; FetchSGD's
     one-round unsketching (values read off the sketch, error accumulated in sketch space) is not
     implemented.  The hashes are drawn again every step, so estimation errors do not stick to the same
-    coordinates.  Wire: two allreduces, R * C * 4 + k * 4 bytes (fp32).  Tensors whose sketch would not
+    coordinates.  Memory: the hashes, signs and signed values take 16 * R bytes per element (on a CPU
+    kept from one step to the next, as other methods' buffers).  Wire: two allreduces, R * C * 4 + k * 4
+    bytes (fp32).  Tensors whose sketch would not
     be smaller than themselves (R * C >= n) are averaged densely and keep no residual.
     """
 
@@ -92,13 +94,16 @@ class Sketch(Compressor):
         n = flat.numel()
         k, cols = self.sizes(ctx)
         gen = ctx.generator(x.device, shared=True, salt="sketch")
-        buckets = torch.randint(cols, (self.rows, n), generator=gen, device=x.device)
-        # Drawn as float32 directly: the same values and generator state as int64 draws, without the copy.
-        signs = torch.randint(2, (self.rows, n), generator=gen, device=x.device, dtype=torch.float32).mul_(2).sub_(1)
-        sketch = torch.zeros(self.rows, cols, dtype=torch.float32, device=x.device)
-        sketch.scatter_add_(1, buckets, signs * flat)
+        # The (rows, n) tables live in buffers reused across steps; signs are drawn as float32 directly
+        # (the same values and generator state as int64 draws).
+        shape = (self.rows, n)
+        buckets = torch.randint(cols, shape, generator=gen, out=ctx.buffer("buckets", shape, torch.int64, x.device))
+        signs = torch.randint(2, shape, generator=gen, out=ctx.buffer("signs", shape, torch.float32, x.device))
+        signs.mul_(2).sub_(1)
+        signed = torch.mul(signs, flat, out=ctx.buffer("signed", shape, torch.float32, x.device))
+        sketch = torch.zeros(self.rows, cols, dtype=torch.float32, device=x.device).scatter_add_(1, buckets, signed)
         total = yield AllReduce(sketch)
-        estimate = median_of_rows(total.gather(1, buckets).mul_(signs))
+        estimate = median_of_rows(torch.gather(total, 1, buckets, out=signed).mul_(signs))
         # torch.topk, not the sampled top_k_abs: medians of shared buckets tie often, and which tied
         # position wins must stay as it was for results to be reproducible.
         idx = torch.topk(estimate.abs_(), k, sorted=False).indices
