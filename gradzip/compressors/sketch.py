@@ -61,8 +61,8 @@ class Sketch(Compressor):
     implemented.  The hashes are drawn again every step, so estimation errors do not stick to the same
     coordinates.  Memory: the hashes, signs and signed values take 16 * R bytes per element (on a CPU
     kept from one step to the next, as other methods' buffers).  Wire: two allreduces, R * C * 4 + k * 4
-    bytes (fp32).  Tensors whose sketch would not
-    be smaller than themselves (R * C >= n) are averaged densely and keep no residual.
+    bytes (fp32).  Tensors whose sketch would not be smaller than themselves (R * C >= n) are averaged
+    densely and keep no residual.
     """
 
     name = "sketch"
