@@ -7,12 +7,12 @@ from gradzip.bench import e2e
 
 
 def test_tiny_unthrottled_run_reports_every_contender(tmp_path):
-    contenders = [c for c in e2e.CONTENDERS if c[0] in ("dense allreduce", "gradzip topk 1%")]
+    contenders = [c for c in e2e.CONTENDERS if c[0] in ("sync only", "gradzip topk 1%")]
     # decides at step 5 (verify=0: no whole-step verification, whose length would depend on timing)
     contenders.append(("gradzip auto", None, "auto", {"trials": 1, "verify": 0}))
     results = e2e.run(links=["unthrottled"], workers=2, steps=6, contenders=contenders, test_size=200,
                       out_dir=str(tmp_path), log=lambda line: None)
-    assert [r.label for r in results] == ["dense allreduce", "gradzip topk 1%", "gradzip auto"]
+    assert [r.label for r in results] == ["sync only", "gradzip topk 1%", "gradzip auto"]
     for r in results:
         assert r.error is None and r.epoch_s > 0 and r.step_s > 0 and 0 <= r.accuracy <= 1
     assert results[0].mb_sent is None and results[1].mb_sent > 0

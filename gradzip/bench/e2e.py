@@ -2,7 +2,8 @@
 
 For each link (an emulated cluster per setting, one network namespace per worker) it trains the
 Fashion-MNIST CNN with every contender — DDP's own allreduce, PyTorch's fp16 and PowerSGD hooks, a
-no-communication hook (the compute-only limit), gradzip's methods, and DiLoCo's outer loop (each worker
+no-communication hook (the compute-only limit), a hook that only waits for every rank once per bucket
+(a one-element allreduce: the floor of any synchronous method), gradzip's methods, and DiLoCo's outer loop (each worker
 steps its own replica and they exchange pseudo-gradients every H steps) — for the same number of steps,
 and reports the training epoch time, step time and test accuracy, with ratios against dense and
 against the limit, all measured in the same run.  A contender that crashes is reported as crashed.
@@ -33,6 +34,7 @@ CONTENDERS = [
     ("torch bf16 hook", "torch-bf16", "none", {}),
     ("torch PowerSGD hook", "torch-powersgd", "none", {}),
     ("no communication (limit)", "nocomm", "none", {}),
+    ("sync only", "sync", "none", {}),
     ("gradzip fp16", None, "fp16", {}),
     ("gradzip bf16", None, "bf16", {}),
     ("gradzip powersgd r2", None, "powersgd", {"rank": 2, "dense_steps": 10}),

@@ -40,7 +40,7 @@ from .models import build_model
 
 __all__ = ["TrainConfig", "launch", "run_dir", "parse_outer", "BASELINES", "OUTER_OPTIONS"]
 
-BASELINES = ("allreduce", "torch-fp16", "torch-bf16", "torch-powersgd", "nocomm")
+BASELINES = ("allreduce", "torch-fp16", "torch-bf16", "torch-powersgd", "nocomm", "sync")
 OPTIMIZERS = ("sgd", "adamw")
 
 
@@ -83,8 +83,8 @@ class TrainConfig:
     # pseudo-gradient.
     outer: Optional[str] = None
     # Instead of gradzip, a reference DDP hook: "allreduce" (DDP's own), "torch-fp16", "torch-bf16" and
-    # "torch-powersgd"
-    # (PyTorch's ddp_comm_hooks), or "nocomm" (no exchange at all: the compute-only limit).
+    # "torch-powersgd" (PyTorch's ddp_comm_hooks), "nocomm" (no exchange at all: the compute-only limit)
+    # or "sync" (a one-element allreduce per bucket and no exchange: the floor of any synchronous method).
     baseline: Optional[str] = None
     workers: int = 2
     epochs: int = 1
@@ -374,6 +374,13 @@ def _no_communication(state, bucket):
     return fut
 
 
+def _sync_only(state, bucket):
+    """Wait for every rank once per bucket, as any synchronous exchange must, and exchange nothing: each
+    rank keeps its own gradient, so only the timing means anything."""
+    buffer = bucket.buffer()
+    return dist.all_reduce(torch.zeros(1, dtype=buffer.dtype), async_op=True).get_future().then(lambda _: buffer)
+
+
 def _register_baseline(net, baseline: str) -> None:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
@@ -387,6 +394,8 @@ def _register_baseline(net, baseline: str) -> None:
         net.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     elif baseline == "nocomm":
         net.register_comm_hook(None, _no_communication)
+    elif baseline == "sync":
+        net.register_comm_hook(None, _sync_only)
 
 
 def _restart_store(rank: int, world: int):
