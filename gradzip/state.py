@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 
 from . import feedback as _feedback
-from . import kernels
 from .collectives import Transport, run_lockstep, transport_for
 from .compressors import make
 from .compressors.base import SPARE, Compressor, TensorContext
@@ -33,39 +32,14 @@ _COUNTERS = ("exchanges", "payload_bytes", "wire_bytes", "dense_bytes", "element
              "plain_allreduces")
 
 
-def _any_nonfinite(grads: Sequence[torch.Tensor], ends: Sequence = ()) -> bool:
+def _any_nonfinite(grads: Sequence[torch.Tensor]) -> bool:
     """Whether any element is NaN or Inf, in one read of each tensor and one host sync for all of them.
 
     min and max propagate NaN, and an Inf is the min or the max, so both ends are finite exactly when
-    every element is (``isfinite(g).all()`` writes a mask of n bytes and reads it again).  ``ends``:
-    (min, max) pairs already known, of tensors not in ``grads``.
+    every element is (``isfinite(g).all()`` writes a mask of n bytes and reads it again).
     """
-    ends = [end.float() for pair in ends for end in pair]
-    ends += [end.float() for g in grads if g.numel() for end in torch.aminmax(g.detach())]
+    ends = [end.float() for g in grads if g.numel() for end in torch.aminmax(g.detach())]
     return bool(ends) and not bool(torch.isfinite(torch.stack(ends)).all())
-
-
-@kernels.fused(min_numel=kernels.LARGE_NUMEL)
-def _copy_with_ends(src: torch.Tensor, dst: torch.Tensor):
-    """dst = src, and dst's (min, max), in one pass: the copy out and the check of what was copied."""
-    dst.copy_(src)
-    return torch.aminmax(dst)
-
-
-def _copy_out(out: Sequence[torch.Tensor], aggregates: Sequence[torch.Tensor]) -> bool:
-    """Copy each aggregate into its ``out`` tensor; whether any of them is not finite (NaN or Inf)."""
-    ends, unchecked = [], []
-    for target, aggregate in zip(out, aggregates):
-        aggregate = aggregate.reshape(target.shape)
-        fusable = (target.is_contiguous() and kernels.enabled(target.numel())
-                   and target.untyped_storage().data_ptr() != aggregate.untyped_storage().data_ptr())
-        pair = _copy_with_ends(aggregate.reshape(-1), target.view(-1)) if fusable else None  # 1-D: one compile
-        if pair is None:
-            target.copy_(aggregate)
-            unchecked.append(target)
-        else:
-            ends.append(pair)
-    return _any_nonfinite(unchecked, ends)
 
 
 def _address(t: torch.Tensor) -> tuple:
@@ -192,14 +166,15 @@ class GradzipState:
         results, report = run_lockstep(gens, self.transport, nonfinite, buffers=fused)
         outputs = out
         if not report.nonfinite:
+            if out is None:
+                outputs = [r.aggregate.reshape(g.shape).to(g.dtype) for r, g in zip(results, grads)]
+            else:
+                for target, r in zip(out, results):
+                    target.copy_(r.aggregate.reshape(target.shape))
             # Compression can overflow where the input did not (a value above 65504 sent as fp16, a sum
             # in a 16-bit type).  Aggregates are bit-identical on every rank, so this check agrees
             # everywhere without a collective; the step is then handled as a non-finite input.
-            if out is None:
-                outputs = [r.aggregate.reshape(g.shape).to(g.dtype) for r, g in zip(results, grads)]
-                report.nonfinite = _any_nonfinite(outputs)
-            else:
-                report.nonfinite = _copy_out(out, [r.aggregate for r in results])
+            report.nonfinite = _any_nonfinite(outputs)
         if report.nonfinite:
             if out is None:
                 outputs = [torch.full_like(g, float("nan")) for g in grads]
