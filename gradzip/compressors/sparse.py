@@ -217,12 +217,20 @@ def _not_below_abs(x: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
     """Indices i with |x_i| not below ``threshold`` (NaN is not below anything), in no set order."""
     w = x.numel() // GROUPS
     rows = x[: GROUPS * w].view(GROUPS, w)
-    tops = torch.maximum(rows.amax(0), rows.amin(0).neg_())  # NaN propagates, so its column is kept
+
+    def scratch(name, dtype, shape):  # fresh temporaries of this size would be page-faulted in every call
+        return workspace(name, math.prod(shape), dtype, x.device).view(shape)
+
+    tops = torch.amax(rows, 0, out=scratch("tops", x.dtype, (w,)))
+    lows = torch.amin(rows, 0, out=scratch("lows", x.dtype, (w,))).neg_()
+    tops = torch.maximum(tops, lows, out=tops)  # NaN propagates, so its column is kept
     # Boolean masks: nonzero over a bool tensor takes half the time it takes over a 0./1. float one.
-    columns = torch.lt(tops, threshold).logical_not_().nonzero().view(-1)
-    hits = torch.lt(rows.index_select(1, columns).abs_(), threshold).logical_not_().view(-1).nonzero().view(-1)
-    row = hits.div(max(columns.numel(), 1), rounding_mode="floor")
-    found = columns.index_select(0, hits - row * columns.numel()).add_(row * w)
+    columns = torch.lt(tops, threshold, out=scratch("columns", torch.bool, (w,))).logical_not_().nonzero().view(-1)
+    c = columns.numel()
+    picked = torch.index_select(rows, 1, columns, out=scratch("picked", x.dtype, (GROUPS, c))).abs_()
+    hits = torch.lt(picked, threshold, out=scratch("hits", torch.bool, (GROUPS, c))).logical_not_().view(-1).nonzero().view(-1)
+    row = hits.div(max(c, 1), rounding_mode="floor")
+    found = columns.index_select(0, hits - row * c).add_(row * w)
     tail = x[GROUPS * w :].abs().lt(threshold).logical_not_().nonzero().view(-1).add_(GROUPS * w)
     return torch.cat([found, tail])
 
