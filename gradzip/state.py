@@ -42,6 +42,33 @@ def _any_nonfinite(grads: Sequence[torch.Tensor]) -> bool:
     return bool(ends) and not bool(torch.isfinite(torch.stack(ends)).all())
 
 
+def _lendable(out: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> list:
+    """Which of ``out`` may hold their tensor's aggregate while the exchange runs: contiguous ones that
+    are their own gradient's memory (DDP's bucket views; no other gradient shares their start), or
+    that share memory with no gradient at all; None for the others, which get a copy at the end."""
+    starts = [g.data_ptr() for g in grads]
+    unique = _unique(starts)
+    storages = {_address(g) for g in grads}
+    lendable = []
+    for target, g, start in zip(out, grads, starts):
+        own = (target.data_ptr() == start and start in unique and target.numel() == g.numel()
+               and target.dtype == g.dtype and g.is_contiguous())
+        lendable.append(target if target.is_contiguous() and (own or _address(target) not in storages) else None)
+    return lendable
+
+
+def _unique(values: Sequence) -> set:
+    seen, repeated = set(), set()
+    for v in values:
+        (repeated if v in seen else seen).add(v)
+    return seen - repeated
+
+
+def _is_memory_of(aggregate: torch.Tensor, target: torch.Tensor) -> bool:
+    return (aggregate.data_ptr() == target.data_ptr() and aggregate.numel() == target.numel()
+            and aggregate.is_contiguous() and target.is_contiguous() and aggregate.dtype == target.dtype)
+
+
 def _address(t: torch.Tensor) -> tuple:
     """Where a tensor's memory starts: equal for views of one storage."""
     return t.device.type, t.untyped_storage().data_ptr()
@@ -157,6 +184,9 @@ class GradzipState:
         contexts = [self.context(key, g, self._buffers.setdefault(key, {}) if reuse else None)
                     for key, g in named_grads]
         grads = [g for _, g in named_grads]
+        if reuse:
+            for ctx, target in zip(contexts, _lendable(out, grads)):
+                ctx.out = target
         nonfinite = _any_nonfinite(grads)
         if nonfinite:
             # Keep the protocol identical on every rank: compress zeros, discard the result below.
@@ -170,7 +200,8 @@ class GradzipState:
                 outputs = [r.aggregate.reshape(g.shape).to(g.dtype) for r, g in zip(results, grads)]
             else:
                 for target, r in zip(out, results):
-                    target.copy_(r.aggregate.reshape(target.shape))
+                    if not _is_memory_of(r.aggregate, target):  # not built in it already
+                        target.copy_(r.aggregate.reshape(target.shape))
             # Compression can overflow where the input did not (a value above 65504 sent as fp16, a sum
             # in a 16-bit type).  Aggregates are bit-identical on every rank, so this check agrees
             # everywhere without a collective; the step is then handled as a non-finite input.
@@ -183,6 +214,7 @@ class GradzipState:
                     target.fill_(float("nan"))
         else:
             lent = {_address(t) for pool in (fused or {}, *(c.buffers or {} for c in contexts)) for t in pool.values()}
+            lent.update(_address(t) for t in out or ())  # the caller's memory: never to be kept as state
             for ctx in contexts:
                 self._commit(ctx, lent)
         self._count(report, grads, results)

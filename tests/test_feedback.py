@@ -95,3 +95,41 @@ def test_no_method_writes_into_a_feedback_schemes_state(name):
     for _ in range(3):
         state.exchange([("w", g.clone())])
     assert not set(state.tensors.get("w", {})) & owned
+
+
+def test_the_callers_output_holds_the_aggregate_only_where_that_is_safe():
+    """exchange(out=...) builds a tensor's aggregate straight in its output (no copy out) when the
+    output is the tensor's own gradient, as DDP's bucket views are, once the compensated input lives
+    elsewhere; not while the compressor's input is that memory, nor in an output that overlaps another
+    gradient.  Every case equals a plain exchange bit for bit."""
+    from gradzip.collectives import LocalTransport
+    from gradzip.compressors import base
+
+    built_in_out = []
+    original = base.TensorContext.buffer
+
+    def watched(self, name, shape, dtype, device):
+        got = original(self, name, shape, dtype, device)
+        if name == "aggregate":
+            built_in_out.append(self.out is not None and got.data_ptr() == self.out.data_ptr())
+        return got
+
+    gen = torch.Generator().manual_seed(0)
+    plain = GradzipState("topk", transport=LocalTransport(), seed=1)
+    lent = GradzipState("topk", transport=LocalTransport(), seed=1)
+    for step in range(3):
+        g = torch.randn(2, 300, 40, generator=gen)
+        expected = plain.exchange([("a", g[0]), ("b", g[1])])
+        bucket = g.clone()
+        inputs = [("a", bucket[0]), ("b", bucket[1])]
+        # At step 2, a's output is b's gradient: it may only be written once the exchange is over.
+        out = [bucket[1], torch.empty(300, 40)] if step == 2 else [bucket[0], bucket[1]]
+        base.TensorContext.buffer = watched
+        try:
+            got = lent.exchange(inputs, out=out)
+        finally:
+            base.TensorContext.buffer = original
+        assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    # step 0: the gradient is the compressor's input (no residual yet); then in place; at step 2 not
+    # in b's gradient, but in the separate output
+    assert built_in_out == [False, False, True, True, False, True]

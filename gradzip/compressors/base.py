@@ -159,6 +159,10 @@ class TensorContext:
     updates: dict = field(default_factory=dict)
     #: This tensor's buffers kept across steps by the owner (see :meth:`buffer`); None: no reuse.
     buffers: Optional[dict] = None
+    #: The caller's output tensor, lent as the "aggregate" buffer (which then needs no copy out), or
+    #: None.  The owner lends only memory that no other input of the exchange uses, and the feedback
+    #: withdraws it when it overlaps the compressor's input.
+    out: Optional[torch.Tensor] = None
 
     def get(self, name: str, default: Any = None) -> Any:
         return self.updates.get(name, self.state.get(name, default))
@@ -178,6 +182,10 @@ class TensorContext:
         reuses memory), this is ``torch.empty``.
         """
         shape = torch.Size(shape)
+        out = self.out
+        if name == "aggregate" and out is not None and out.numel() == shape.numel() and out.dtype == dtype \
+                and out.device == torch.device(device):
+            return out.view(shape)
         if self.buffers is None or device.type != "cpu" or shape.numel() < _WORKSPACE_MIN:
             return torch.empty(shape, dtype=dtype, device=device)
         buf = self.buffers.get(name)
