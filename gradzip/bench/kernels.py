@@ -7,9 +7,10 @@ warmup_epochs=0`` and PowerSGD ``dense_steps=0`` so that both compress from the 
   method flattens it), and
 - ``resnet50``: ResNet-50's 161 parameter tensors (25.6M elements; BN weights and biases are 1-D),
 
-the way training runs them: one world-size-1 :meth:`GradzipState.exchange` into output tensors (as the
-DDP hook's bucket) through :func:`run_lockstep` with a :class:`LocalTransport`, i.e. compress +
-decompress + error feedback, the non-finite checks and the copy out, with no network.  It also times the compressor alone (no feedback, no state).
+the way training runs them: one world-size-1 :meth:`GradzipState.exchange` of the gradients into
+themselves (as the DDP hook does with its bucket; the bucket is refilled, untimed, before each) through
+:func:`run_lockstep` with a :class:`LocalTransport`, i.e. compress + decompress + error feedback, the
+non-finite checks and the copy out where there is one, with no network.  It also times the compressor alone (no feedback, no state).
 
 The yardstick is one memory pass over the same tensors, ``torch.add(x, 1.0, out=buf)`` (read n floats,
 write n floats), measured in the same run and interleaved with the methods, because the CPUs this runs
@@ -129,11 +130,17 @@ class _Method:
         self.state = GradzipState(make(name, **self.params), transport=LocalTransport(), seed=0)
         self.compressor = make(name, **self.params)
         self.samples: dict[str, list] = {k: [] for k in ("ms", "alone", "compress", "communicate", "decompress")}
-        # Where the integrations put the averages (DDP: its bucket), so buffers are reused as in training.
-        self.out = [torch.empty_like(g) for _, g in named]
+        # DDP's bucket: the hook's gradients are also where the averages go, so buffers are reused and
+        # the gradient's own memory is written as in training.  Refilled before every exchange
+        # (untimed), as backward refills the bucket.
+        self.bucket = [(key, g.clone()) for key, g in named]
+
+    def refill(self) -> None:
+        for (_, grad), (_, g) in zip(self.bucket, self.named):
+            grad.copy_(g)
 
     def exchange(self) -> None:
-        self.state.exchange(self.named, out=self.out)
+        self.state.exchange(self.bucket, out=[grad for _, grad in self.bucket])
 
     def alone(self) -> None:
         """The compressor's own exchange (dense for the tensors it does not compress), no feedback, no state."""
@@ -146,6 +153,7 @@ class _Method:
 
     def measure(self) -> None:
         start = time.perf_counter()
+        self.refill()
         self.samples["ms"].append(1e3 * _timed(self.exchange, self.device))
         wall = time.perf_counter() - start
         report = self.state.last_report  # wall-clock split: kept as shares of this exchange's wall time
@@ -190,6 +198,7 @@ def bench_workload(kind: str, methods: Sequence[str], *, numel: int, device: tor
     for _ in range(warmup):  # residuals, momenta and PowerSGD bases exist from here on: steady state
         one_pass()
         for m in runs:
+            m.refill()
             m.exchange()
     base: list[float] = []
     for _ in range(repeat):
@@ -216,6 +225,7 @@ def bench_workload(kind: str, methods: Sequence[str], *, numel: int, device: tor
             row["alone_ms"] = _median(m.samples["alone"])
             row["alone_x_pass"] = row["alone_ms"] / base_ms
         if profile:
+            m.refill()
             row["top_ops"] = _top_ops(m.exchange, device)
         rows.append(row)
     shapes = [tuple(g.shape) for _, g in named]
@@ -338,7 +348,7 @@ def format_table(result: dict) -> str:
                      f"(kept {sel['kept_median']:,} of k = {sel['k']:,}), exact torch.topk {sel['exact_topk_ms']:.1f} ms, "
                      f"speedup {sel['speedup']:.1f}x")
     lines.append("")
-    lines.append("ms: one GradzipState.exchange into output tensors (world size 1, LocalTransport: compress + decompress + error "
+    lines.append("ms: one GradzipState.exchange of the gradients into themselves, as DDP's bucket (world size 1, LocalTransport: compress + decompress + error "
                  "feedback), median; x pass: median over the median pass; best x: fastest over fastest; "
                  "compress/decomp/other: shares of the exchange's wall time from ExchangeReport (feedback's own "
                  "arithmetic included; other: non-finite check, fusing requests into one buffer, commit); "
