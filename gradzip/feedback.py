@@ -250,24 +250,13 @@ def exchange(compressor: Compressor, g: torch.Tensor, ctx: TensorContext) -> Exc
 
 
 def _withdrawing_overlapping_out(run):
-    """``run``, except that the caller's output is not lent as the aggregate buffer when it overlaps
-    the compressor's input: a compressor may read its input after building the aggregate."""
+    """``run``, except that the caller's output is not lent as the aggregate buffer when it shares
+    memory with the compressor's input: a compressor may read its input after building the aggregate."""
     def guarded(p, ctx):
-        if _overlaps(ctx.out, p):
+        if _shares_memory(ctx.out, p):
             ctx.out = None
         return (yield from run(p, ctx))
     return guarded
-
-
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
-        return False
-    spans = []
-    for t in (a, b):
-        start = t.data_ptr()
-        spans.append((start, start + t.element_size() * (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride())))))
-    (a0, a1), (b0, b1) = spans
-    return a0 < b1 and b0 < a1
 
 
 def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

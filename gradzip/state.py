@@ -8,6 +8,7 @@ was finite, keeps byte and time counters for :meth:`stats`, and saves/restores e
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import functools
 import os
@@ -47,21 +48,14 @@ def _lendable(out: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> lis
     are their own gradient's memory (DDP's bucket views; no other gradient shares their start), or
     that share memory with no gradient at all; None for the others, which get a copy at the end."""
     starts = [g.data_ptr() for g in grads]
-    unique = _unique(starts)
+    sharing = collections.Counter(starts)
     storages = {_address(g) for g in grads}
     lendable = []
     for target, g, start in zip(out, grads, starts):
-        own = (target.data_ptr() == start and start in unique and target.numel() == g.numel()
+        own = (target.data_ptr() == start and sharing[start] == 1 and target.numel() == g.numel()
                and target.dtype == g.dtype and g.is_contiguous())
         lendable.append(target if target.is_contiguous() and (own or _address(target) not in storages) else None)
     return lendable
-
-
-def _unique(values: Sequence) -> set:
-    seen, repeated = set(), set()
-    for v in values:
-        (repeated if v in seen else seen).add(v)
-    return seen - repeated
 
 
 def _is_memory_of(aggregate: torch.Tensor, target: torch.Tensor) -> bool:
