@@ -17,7 +17,7 @@ from gradzip.collectives import LocalTransport, run_lockstep
 from gradzip.compressors.base import Exchanged, TensorContext
 from gradzip.compressors.dense import NoCompression
 from gradzip.compressors.sketch import median_of_rows
-from gradzip.compressors.sparse import random_positions, top_k, top_k_abs
+from gradzip.compressors.sparse import _at_least, _at_least_abs, magnitudes, random_positions, top_k, top_k_abs
 
 
 def randn(*shape, seed=0):
@@ -100,6 +100,31 @@ def test_top_k_abs_with_ties_keeps_k_values_of_the_right_size():
     got = top_k_abs(x, 70_000)
     assert got.unique().numel() == 70_000
     assert torch.equal(x[got].abs().sort().values, torch.topk(x.abs(), 70_000).values.sort().values)
+
+
+@pytest.mark.parametrize("case", ["plain", "zeros", "ties", "nan", "subnormal", "all zero", "tail"])
+@pytest.mark.parametrize("n", [65_536, 200_003])
+def test_threshold_selection_by_columns_is_the_comparison_over_magnitudes(case, n):
+    # DGC and gradient dropping select |x| >= t by the column search when few pass: the same indices
+    # in the same order as the comparison over a written |x|, so that their results do not change.
+    x = randn(n, seed=n) * 0.01
+    if case == "zeros":
+        x[::2] = 0.0
+    if case == "ties":
+        x = (x * 300).round() / 300
+    if case == "nan":
+        x[1::997] = float("nan")
+    if case == "subnormal":
+        x = x * 1e-40
+    if case == "all zero":
+        x.zero_()
+    if case == "tail":
+        x[n - 1] = 1.0  # in the tail the column groups leave out when 8 does not divide n
+    finite = x.abs().nan_to_num(0.0)
+    for threshold in (torch.topk(finite, n // 100).values.min(), finite.max() / 3, torch.tensor(0.0)):
+        expected = _at_least(magnitudes(x).clone(), threshold)
+        got = _at_least_abs(x, threshold, expected=n // 100)
+        assert torch.equal(got, expected), (case, float(threshold))
 
 
 # -- random_positions: uniform k-subsets without an O(n) permutation -----------------------------------

@@ -141,9 +141,23 @@ def _at_least(a: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
     # Zeros are never worth sending: a zero threshold (sparse gradients, e.g. embeddings) must not
     # select the whole tensor.  For a >= 0, "a >= t and a > 0" is "a >= max(t, smallest positive
     # subnormal)": one comparison pass instead of three (a NaN threshold stays NaN and selects nothing).
-    info = torch.finfo(a.dtype)
     passed = workspace("mask", a.numel(), torch.bool, a.device)
-    return torch.ge(a, threshold.clamp_min(info.smallest_normal * info.eps), out=passed).nonzero().reshape(-1)
+    return torch.ge(a, _above_zero(threshold, a.dtype), out=passed).nonzero().reshape(-1)
+
+
+def _above_zero(threshold: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    info = torch.finfo(dtype)
+    return threshold.clamp_min(info.smallest_normal * info.eps)
+
+
+def _at_least_abs(flat: torch.Tensor, threshold: torch.Tensor, expected: int) -> torch.Tensor:
+    """``_at_least(|flat|, threshold)``, the same indices in the same (ascending) order, without
+    writing |flat| when about ``expected`` elements pass: by the column search of :func:`_not_below_abs`
+    where few columns can hit (at most 1/16 of the elements expected to pass), else by one comparison
+    over |flat|."""
+    if 16 * expected > flat.numel() or flat.numel() < _PREFILTER_MIN or flat.device.type != "cpu":
+        return _at_least(magnitudes(flat), threshold)
+    return _not_below_abs(flat, _above_zero(threshold, flat.dtype), keep_nan=False)
 
 
 def magnitudes(flat: torch.Tensor) -> torch.Tensor:
@@ -213,8 +227,9 @@ def _sampled_threshold(sample: torch.Tensor, k: int, n: int) -> torch.Tensor:
     return _kth_largest(sample, min(sample.numel(), math.ceil(1.2 * share + 3 * math.sqrt(share) + 1)))
 
 
-def _not_below_abs(x: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
-    """Indices i with |x_i| not below ``threshold`` (NaN is not below anything), in no set order."""
+def _not_below_abs(x: torch.Tensor, threshold: torch.Tensor, keep_nan: bool = True) -> torch.Tensor:
+    """Indices i, ascending, with |x_i| not below ``threshold``: NaN is not below anything, so it is
+    kept, unless ``keep_nan`` is False (then the indices are those of |x_i| >= threshold)."""
     w = x.numel() // GROUPS
     rows = x[: GROUPS * w].view(GROUPS, w)
 
@@ -228,10 +243,17 @@ def _not_below_abs(x: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
     columns = torch.lt(tops, threshold, out=scratch("columns", torch.bool, (w,))).logical_not_().nonzero().view(-1)
     c = columns.numel()
     picked = torch.index_select(rows, 1, columns, out=scratch("picked", x.dtype, (GROUPS, c))).abs_()
-    hits = torch.lt(picked, threshold, out=scratch("hits", torch.bool, (GROUPS, c))).logical_not_().view(-1).nonzero().view(-1)
+
+    def passing(a, out=None):
+        if keep_nan:
+            return torch.lt(a, threshold, out=out).logical_not_()
+        return torch.ge(a, threshold, out=out)
+
+    hits = passing(picked, scratch("hits", torch.bool, (GROUPS, c))).view(-1).nonzero().view(-1)
+    # Row by row, columns ascending within a row: i = row * w + column is ascending, tail last.
     row = hits.div(max(c, 1), rounding_mode="floor")
     found = columns.index_select(0, hits - row * c).add_(row * w)
-    tail = x[GROUPS * w :].abs().lt(threshold).logical_not_().nonzero().view(-1).add_(GROUPS * w)
+    tail = passing(x[GROUPS * w :].abs()).nonzero().view(-1).add_(GROUPS * w)
     return torch.cat([found, tail])
 
 
@@ -373,13 +395,13 @@ class GradientDropping(Sparsifier):
         self.sample_ratio = check_ratio("sample_ratio", sample_ratio, allow_zero=False)
 
     def select(self, flat, ctx):
-        a = magnitudes(flat)
-        if a.numel() == 0:
-            return torch.empty(0, dtype=torch.long, device=a.device)
-        sample = strided_sample(a, self.sample_ratio, ctx)
+        if flat.numel() == 0:
+            return torch.empty(0, dtype=torch.long, device=flat.device)
+        sample = strided_sample(flat, self.sample_ratio, ctx).abs()
         # s - floor(R s) rather than ceil((1 - R) s): 1 - 0.99 is 0.0100000000000000089, one too many.
         keep = sample.numel() - math.floor(self.drop_ratio * sample.numel())
-        return _at_least(a, _kth_largest(sample, keep))
+        expected = math.ceil(keep * flat.numel() / sample.numel())
+        return _at_least_abs(flat, _kth_largest(sample, keep), expected)
 
 
 @register
@@ -456,27 +478,26 @@ class DGC(Sparsifier):
         # Biases and normalisation weights are a tiny share of the bytes: the paper sends them dense.
         return len(ctx.shape) > 1 and ctx.shape.numel() >= self.min_numel
 
-    def sample(self, a: torch.Tensor, ctx: TensorContext) -> torch.Tensor:
-        """The sample of |v| the threshold is estimated from (0.1%-1% of it in the paper)."""
-        return strided_sample(a, self.sample_ratio, ctx)
+    def sample(self, v: torch.Tensor, ctx: TensorContext) -> torch.Tensor:
+        """The sample of v whose |.| the threshold is estimated from (0.1%-1% of it in the paper)."""
+        return strided_sample(v, self.sample_ratio, ctx)
 
     def select(self, flat, ctx):
-        a = magnitudes(flat)
         density = self.density(self.stage(ctx))
-        k = math.ceil(density * a.numel())
+        k = math.ceil(density * flat.numel())
         if k == 0:
-            return torch.empty(0, dtype=torch.long, device=a.device)
-        sample = self.sample(a, ctx)
+            return torch.empty(0, dtype=torch.long, device=flat.device)
+        sample = self.sample(flat, ctx).abs()
         threshold = _kth_largest(sample, math.ceil(density * sample.numel()))
-        chosen = _at_least(a, threshold)
+        chosen = _at_least_abs(flat, threshold, k)
         for _ in range(self.max_retries):
             if chosen.numel() >= self.lower_bound * k:
                 break
             threshold = threshold / 2
-            chosen = _at_least(a, threshold)
+            chosen = _at_least_abs(flat, threshold, k)
         if chosen.numel() > k:
             # Hierarchical top-k: exact, but over the candidates only.
-            chosen = chosen[torch.topk(a[chosen], k, sorted=False).indices]
+            chosen = chosen[torch.topk(flat.index_select(0, chosen).abs_(), k, sorted=False).indices]
         return chosen
 
     def payload_bytes(self, ctx, kept=None):
