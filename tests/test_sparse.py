@@ -326,6 +326,34 @@ def test_dgc_retry_lowers_threshold_then_keeps_k_largest():
     assert torch.equal(out.mask.reshape(-1), expected)
 
 
+class _FixedSample(DGC):
+    """A sample of 100 magnitudes whose largest overestimates the threshold."""
+
+    def sample(self, v, ctx):
+        return torch.tensor([1.0, 0.995, 0.99, 0.98] + [0.1] * 96)
+
+
+def test_dgc_retry_goes_twice_as_far_down_the_sample_before_halving(monkeypatch):
+    from gradzip.compressors import sparse
+    thresholds = []
+
+    def spy(flat, threshold, expected):
+        thresholds.append(float(threshold))
+        return at_least_abs(flat, threshold, expected)
+
+    at_least_abs = sparse._at_least_abs
+    monkeypatch.setattr(sparse, "_at_least_abs", spy)
+    comp = _FixedSample(ratio=0.01, warmup_epochs=0, min_numel=0, feedback="none")
+    x = (torch.arange(1, 10_001) / 10_000).reshape(100, 100)
+    out = exchange_one(comp, x)
+    # r = 1: 1.0 lets 1 through; the 2nd largest, 0.995, 51; the 4th, 0.98, 201, and the top-k of those
+    # is sent.  Halving 1.0 would have let 5001 through.
+    assert thresholds == pytest.approx([1.0, 0.995, 0.98])
+    expected = torch.zeros(10_000, dtype=torch.bool)
+    expected[-100:] = True
+    assert torch.equal(out.mask.reshape(-1), expected)
+
+
 @pytest.mark.parametrize("rest, sent", [(0.2, 100), (0.1, 1)])
 def test_dgc_retries_are_bounded(rest, sent):
     # Threshold 1 -> 0.5 -> 0.25 -> 0.125 (three retries): 0.2 passes at the last one, 0.1 never does.
