@@ -277,6 +277,8 @@ def _minus_sent(p: torch.Tensor, result, own: bool) -> torch.Tensor:
         flat = out.view(-1)
         flat.index_copy_(0, idx, flat.index_select(0, idx).sub_(values))
         return out
+    if own and result.subtract_sent is not None and result.sent_pending and result.subtract_sent(p) is not None:
+        return p
     if own and result.sent_into is not None and result.sent_pending:
         return p.sub_(result.sent_into(workspace("sent", p.numel(), torch.float32, p.device).view(p.shape)))
     sent = result.sent

@@ -13,9 +13,9 @@ import warnings
 import pytest
 import torch
 
-from gradzip import kernels
+from gradzip import feedback, kernels
 from gradzip.collectives import simulate
-from gradzip.compressors import make, quantize
+from gradzip.compressors import make, quantize, sign
 from gradzip.compressors.base import TensorContext
 
 SHAPE = (256, 257)  # 65,792 elements: just above the lowered threshold
@@ -149,6 +149,28 @@ def test_signum_momentum_update(params, monkeypatch, calls):
     assert calls["n"] > 0
     assert_same_bits(*results)
     assert results[0][0][1].is_contiguous()
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_efsignsgd_residual_from_its_input_equals_the_decoded_one(world, monkeypatch):
+    # With a residual kept from earlier, p = g + e is feedback's own: EF-signSGD then computes
+    # e' = p - scale * sign(p) in one fused pass over p instead of decoding its own signs.
+    xs = inputs(world, seed=4)
+    kept = [x.flip(0) * 0.5 for x in inputs(world, seed=5)]
+    kept[0][0, :4] = torch.tensor([0.0, -0.0, 0.0, 0.0])  # p keeps x's +0, -0, tiny and subnormal
+    used = []
+    original = sign._minus_scaled_signs
+    monkeypatch.setattr(sign, "_minus_scaled_signs", lambda *args: used.append(1) or original(*args))
+    results = []
+    for fused in (True, False):
+        monkeypatch.setenv("GRADZIP_FUSED", "1" if fused else "0")
+        comp = make("efsignsgd")
+        ctxs = [TensorContext(key="w", shape=x.shape, dtype=x.dtype, step=3, rank=r, world_size=world,
+                              state={"residual": e.clone()}) for r, (x, e) in enumerate(zip(xs, kept))]
+        outs = simulate([[feedback.exchange(comp, x, c)] for x, c in zip(xs, ctxs)])
+        results.append([(out[0].aggregate, c.updates["residual"]) for out, c in zip(outs, ctxs)])
+        assert len(used) == world  # every rank subtracted by the kernel; none in the reference run
+    assert_same_bits(*results)
 
 
 def test_small_tensors_and_the_switch_keep_the_reference_path(monkeypatch, calls):

@@ -72,10 +72,10 @@ class Exchanged:
     the next step can take the integration's plain dense path at once.
     """
 
-    __slots__ = ("aggregate", "_sent", "_mask", "sparse", "sent_into", "settled_dense")
+    __slots__ = ("aggregate", "_sent", "_mask", "sparse", "sent_into", "subtract_sent", "settled_dense")
 
     def __init__(self, aggregate: torch.Tensor, sent=None, mask=None, *, sparse: Optional[tuple] = None,
-                 sent_into: Optional[Callable] = None):
+                 sent_into: Optional[Callable] = None, subtract_sent: Optional[Callable] = None):
         if sent is None and sparse is None:
             raise ValueError("Exchanged needs sent or sparse")
         self.aggregate = aggregate
@@ -85,6 +85,10 @@ class Exchanged:
         #: Optional ``sent_into(out)``: writes ``sent`` into the float32 tensor ``out`` (of the aggregate's
         #: shape), so that error feedback can subtract it without a new full-size tensor.
         self.sent_into = sent_into
+        #: Optional ``subtract_sent(p)``: writes ``p - sent`` into ``p``, the very tensor the method
+        #: compressed (error feedback's own copy), and returns it; or returns None, leaving p as it was,
+        #: where it cannot (feedback then subtracts ``sent``).
+        self.subtract_sent = subtract_sent
         self.settled_dense = False
 
     @property
@@ -363,13 +367,19 @@ class GatheredCompressor(Compressor):
         (the default) decodes each payload and combines them."""
         return None
 
+    def subtract_sent(self, fields: tuple, ctx: TensorContext) -> Optional[Callable]:
+        """Optional fast path: :attr:`Exchanged.subtract_sent` for the input that ``fields`` encode, which
+        computes p - D(fields) from p itself; None (the default): feedback decodes and subtracts."""
+        return None
+
     def exchange(self, x, ctx):
         fields = self.compress(x, ctx)
         gathered = yield AllGather(tuple(fields), same_size=self.same_size)
         aggregate = self.decoded_mean(gathered, ctx)
         if aggregate is not None:  # this rank's own payload is decoded only if feedback asks for it
             into = (lambda out: self.decompress(fields, ctx, out)) if self.decodes_into else None
-            return Exchanged(aggregate, lambda: self.decompress(fields, ctx), sent_into=into)
+            return Exchanged(aggregate, lambda: self.decompress(fields, ctx), sent_into=into,
+                             subtract_sent=self.subtract_sent(fields, ctx))
         decoded = [self.decompress(f, ctx) for f in gathered]
         return Exchanged(self.combine(decoded, ctx), decoded[ctx.rank])
 

@@ -53,6 +53,12 @@ def _pack_trits(flat, m: int):
 
 
 @kernels.fused(min_numel=kernels.LARGE_NUMEL)
+def _minus_scaled_signs(p, scale):
+    # In place: p - (+scale where p >= 0, else -scale), exactly p minus its own decoded 1-bit signs.
+    return p.sub_(torch.where(p >= 0, scale, -scale))
+
+
+@kernels.fused(min_numel=kernels.LARGE_NUMEL)
 def _momentum(m, x, *, beta: float):
     return m * beta + x * (1 - beta)  # fp32, no fused multiply-add: the reference's roundings
 
@@ -401,6 +407,14 @@ class EFSignSGD(GatheredCompressor):
     def decompress(self, fields, ctx, out: Optional[torch.Tensor] = None):
         scale, packed = fields
         return decode_signs(packed, ctx.shape, out).mul_(scale.reshape(()))
+
+    def subtract_sent(self, fields, ctx):
+        # p - scale * sign(p) in one fused pass over p, instead of decoding the own signs (unpack,
+        # convert, scale: about three passes) and subtracting them.
+        if not kernels.enabled(ctx.shape.numel()):
+            return None
+        scale = fields[0].reshape(())
+        return lambda p: None if _minus_scaled_signs(p.view(-1), scale) is None else p
 
     def decoded_mean(self, gathered, ctx):
         # combine()'s sum in rank order, each rank decoded into reused memory: the same floats.
