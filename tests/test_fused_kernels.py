@@ -173,6 +173,30 @@ def test_efsignsgd_residual_from_its_input_equals_the_decoded_one(world, monkeyp
     assert_same_bits(*results)
 
 
+@pytest.mark.parametrize("rank", [2, 3])
+@pytest.mark.parametrize("world", [1, 3])
+def test_powersgd_products_fused_equal_the_reference(rank, world, monkeypatch):
+    # The aggregate P Qbar^T is written by one kernel, and the residual M - P Q_i^T is computed in place
+    # in M (fused multiply-adds in the order of the reference's addcmul_).
+    from gradzip.compressors import lowrank
+    used = []
+    for name in ("_outer_into", "_minus_outer"):
+        original = getattr(lowrank, name)
+        monkeypatch.setattr(lowrank, name, lambda *a, _f=original, _n=name, **k: used.append(_n) or _f(*a, **k))
+    xs = inputs(world, seed=6)
+    kept = [x.flip(1) * 0.5 for x in inputs(world, seed=7)]
+    results = []
+    for fused in (True, False):
+        monkeypatch.setenv("GRADZIP_FUSED", "1" if fused else "0")
+        comp = make("powersgd", rank=rank, dense_steps=0)
+        ctxs = [TensorContext(key="w", shape=x.shape, dtype=x.dtype, step=3, rank=r, world_size=world,
+                              state={"residual": e.clone()}) for r, (x, e) in enumerate(zip(xs, kept))]
+        outs = simulate([[feedback.exchange(comp, x, c)] for x, c in zip(xs, ctxs)])
+        results.append([(out[0].aggregate, c.updates["residual"], c.updates["Q"]) for out, c in zip(outs, ctxs)])
+        assert sorted(set(used)) == ["_minus_outer", "_outer_into"] and len(used) == 2 * world
+    assert_same_bits(*results)
+
+
 def test_small_tensors_and_the_switch_keep_the_reference_path(monkeypatch, calls):
     small = [torch.randn(100, 7)]
     run("qsgd", {}, small, monkeypatch, fused=True)

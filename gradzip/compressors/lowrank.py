@@ -6,6 +6,7 @@ from typing import Optional
 
 import torch
 
+from .. import kernels
 from .base import AllReduce, Compressor, Exchanged, TensorContext
 from .registry import register
 
@@ -25,15 +26,44 @@ def orthogonalize(a: torch.Tensor, epsilon: float) -> torch.Tensor:
     return a
 
 
+def _outer_sum(P, Rt, rank: int):
+    # P[:, 0] Rt[0, :], then a fused multiply-add per further column: the roundings of torch.addcmul_.
+    total = P[:, :1] * Rt[:1]
+    for k in range(1, rank):
+        total = torch.ops.prims.fma(P[:, k : k + 1], Rt[k : k + 1], total)
+    return total
+
+
+@kernels.fused(min_numel=kernels.LARGE_NUMEL)
+def _outer_into(out, P, Rt, *, rank: int):
+    return out.copy_(_outer_sum(P, Rt, rank))
+
+
+@kernels.fused(min_numel=kernels.LARGE_NUMEL)
+def _minus_outer(M, P, Rt, *, rank: int):
+    return M.sub_(_outer_sum(P, Rt, rank))
+
+
 def outer(P: torch.Tensor, Rt: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """P Rt (n x r times r x m) into ``out``.  On CPUs as r broadcast products, sum_k P[:, k] Rt[k, :]:
-    a BLAS product of inner dimension 2 writes its n x m result about 2x slower than that."""
+    a BLAS product of inner dimension 2 writes its n x m result about 2x slower than that (and a fused
+    kernel, on large matrices, writes it in one pass)."""
     if out.device.type != "cpu":
         return torch.matmul(P, Rt, out=out)
+    if kernels.enabled(out.numel()) and _outer_into(out, P, Rt, rank=P.shape[1]) is not None:
+        return out
     torch.mul(P[:, :1], Rt[:1], out=out)
     for k in range(1, P.shape[1]):
         out.addcmul_(P[:, k : k + 1], Rt[k : k + 1])
     return out
+
+
+def minus_outer(M: torch.Tensor, P: torch.Tensor, Rt: torch.Tensor) -> Optional[torch.Tensor]:
+    """M - :func:`outer` (P, Rt), written into M, in one fused pass over M; None (M unchanged) where
+    there is no such kernel (small matrices, GPUs, fused kernels off)."""
+    if M.device.type != "cpu" or not kernels.enabled(M.numel()):
+        return None
+    return _minus_outer(M, P, Rt, rank=P.shape[1])
 
 
 @register
@@ -118,7 +148,10 @@ class PowerSGD(Compressor):
             out = torch.empty(n, m, device=x.device) if out is None else out.view(n, m)
             return outer(P, Qt_local, out).reshape(ctx.shape)
 
-        return Exchanged(aggregate, sent, sent_into=sent)
+        def subtract_sent(p):  # p is x: M - P Q_i^T in place, without writing P Q_i^T first
+            return None if minus_outer(p.view(n, m), P, Qt_local) is None else p
+
+        return Exchanged(aggregate, sent, sent_into=sent, subtract_sent=subtract_sent)
 
     def payload_bytes(self, ctx, kept=None):
         if not self.compresses(ctx):  # sent densely by feedback.py, in the gradient's dtype
