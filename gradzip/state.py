@@ -43,6 +43,14 @@ def _any_nonfinite(grads: Sequence[torch.Tensor]) -> bool:
     return bool(ends) and not bool(torch.isfinite(torch.stack(ends)).all())
 
 
+def _may_be_nonfinite(output: torch.Tensor, result) -> torch.Tensor:
+    """The part of ``output`` that can hold a non-finite value: a sparsifier's aggregate is zero outside
+    its ``support``, and so is the output there (a copy or cast of it), so only the support is read."""
+    if result.support is None or not output.is_contiguous():
+        return output
+    return output.view(-1).index_select(0, result.support)
+
+
 def _lendable(out: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> list:
     """Which of ``out`` may hold their tensor's aggregate while the exchange runs: contiguous ones that
     are their own gradient's memory (DDP's bucket views; no other gradient shares their start), or
@@ -199,7 +207,7 @@ class GradzipState:
             # Compression can overflow where the input did not (a value above 65504 sent as fp16, a sum
             # in a 16-bit type).  Aggregates are bit-identical on every rank, so this check agrees
             # everywhere without a collective; the step is then handled as a non-finite input.
-            report.nonfinite = _any_nonfinite(outputs)
+            report.nonfinite = _any_nonfinite([_may_be_nonfinite(o, r) for o, r in zip(outputs, results)])
         if report.nonfinite:
             if out is None:
                 outputs = [torch.full_like(g, float("nan")) for g in grads]

@@ -71,6 +71,29 @@ def test_gradscaler_backs_off_when_the_wire_overflows_and_state_stays_finite(nam
         assert torch.equal(a, b)
 
 
+def _sum_overflow_worker(rank, world):
+    out = {}
+    for name, params in (("topk", {"ratio": 0.01}), ("randomk", {"ratio": 1.0}), ("dropping", {})):
+        state = gradzip.GradzipState(name, **params)
+        grad = torch.randn(1000, generator=torch.Generator().manual_seed(rank)) * 1e-3
+        grad[123] = 3e38  # finite on each rank; the sum of the two is not
+        first = state.exchange([("w", grad)])[0].clone()
+        out[name] = {"first": first, "state": {k: v.clone() for k, v in state.tensors.get("w", {}).items()},
+                     "next": state.exchange([("w", grad * 1e-40)])[0].clone()}
+        state.close()
+    return out
+
+
+def test_a_sparse_sum_that_overflows_is_caught_where_it_was_sent():
+    # The finiteness check reads a sparsifier's aggregate only where something was sent (it is zero
+    # elsewhere): the position whose sum overflowed is among those.
+    for rank in run_workers(_sum_overflow_worker, 2):
+        for name, got in rank.items():
+            assert got["first"].isnan().all(), name
+            assert got["state"] == {} or all(torch.isfinite(v).all() for v in got["state"].values()), name
+            assert torch.isfinite(got["next"]).all(), name
+
+
 def _fp16_dense_worker(rank, world):
     out = {}
     for name in gradzip.compressors():

@@ -72,10 +72,11 @@ class Exchanged:
     the next step can take the integration's plain dense path at once.
     """
 
-    __slots__ = ("aggregate", "_sent", "_mask", "sparse", "sent_into", "subtract_sent", "settled_dense")
+    __slots__ = ("aggregate", "_sent", "_mask", "sparse", "sent_into", "subtract_sent", "support", "settled_dense")
 
     def __init__(self, aggregate: torch.Tensor, sent=None, mask=None, *, sparse: Optional[tuple] = None,
-                 sent_into: Optional[Callable] = None, subtract_sent: Optional[Callable] = None):
+                 sent_into: Optional[Callable] = None, subtract_sent: Optional[Callable] = None,
+                 support: Optional[torch.Tensor] = None):
         if sent is None and sparse is None:
             raise ValueError("Exchanged needs sent or sparse")
         self.aggregate = aggregate
@@ -89,6 +90,9 @@ class Exchanged:
         #: compressed (error feedback's own copy), and returns it; or returns None, leaving p as it was,
         #: where it cannot (feedback then subtracts ``sent``).
         self.subtract_sent = subtract_sent
+        #: Optional int64 positions of the flattened aggregate (repeats allowed) outside which it is
+        #: exactly zero, as a sparsifier's scatter leaves it: the finiteness check reads only those.
+        self.support = support
         self.settled_dense = False
 
     @property

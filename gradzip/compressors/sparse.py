@@ -56,14 +56,14 @@ class Sparsifier(GatheredCompressor):
         for (values, _), idx in zip(gathered, positions):  # rank order: identical float sums on every rank
             total.index_add_(0, idx, values.float())
         # The mean: total / N, computed where something was sent (0 / N is 0 everywhere else).
-        if sum(idx.numel() for idx in positions) * 4 < n:
-            union = torch.cat(positions)
+        union = torch.cat(positions) if len(positions) > 1 else positions[0]
+        if union.numel() * 4 < n:
             total.index_copy_(0, union, total.index_select(0, union).div_(ctx.world_size))
         else:
             total.div_(ctx.world_size)
         # sent is zero but at this rank's own positions: error feedback touches only those.
         sent = (positions[ctx.rank], gathered[ctx.rank][0].float())
-        return Exchanged(total.view(ctx.shape), sparse=sent)
+        return Exchanged(total.view(ctx.shape), sparse=sent, support=union)
 
     def payload_bytes(self, ctx, kept=None):
         if kept is None:
@@ -310,7 +310,7 @@ class SharedSparsifier(Compressor):
         total = yield AllReduce(payload)
         aggregate = ctx.buffer("aggregate", (flat.numel(),), torch.float32, x.device).zero_()
         aggregate[idx] = total.float() * (pre / ctx.world_size)
-        return Exchanged(aggregate.view(ctx.shape), sparse=(idx, payload.float() * pre))
+        return Exchanged(aggregate.view(ctx.shape), sparse=(idx, payload.float() * pre), support=idx)
 
 
 @register
