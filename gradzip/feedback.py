@@ -31,6 +31,7 @@ from typing import ClassVar, Optional
 
 import torch
 
+from . import kernels
 from .compressors.base import Compressor, Exchange, TensorContext, workspace
 from .compressors.dense import NoCompression
 from .compressors.sparse import _momentum_params
@@ -150,17 +151,25 @@ class MomentumCorrection(Feedback):
             norm = torch.linalg.vector_norm(g)
             g = g * torch.clamp(limit / (norm + 1e-6), max=1.0)
         state = self.load(ctx)
-        u = torch.zeros_like(g) if state.momentum is None else state.momentum
-        # Into spare memory, then in-place steps: the same roundings as the textbook expressions in comments.
-        if self.nesterov:
-            u = torch.add(u, g, out=ctx.spare("momentum", u)).mul_(m)  # u = (u + g) * m
-            increment = u + g
+        u, v = state.momentum, state.velocity
+        fused = None
+        if u is not None and v is not None and kernels.enabled(g.numel()) and g.is_contiguous():
+            # Both updates in one pass over u, g and v (a kernel, on large tensors), rounded as below.
+            new_u, new_v = ctx.spare("momentum", u), ctx.spare("velocity", v)
+            fused = _momentum_step(u, g, v, new_u, new_v, m=m, nesterov=self.nesterov)
+        if fused is not None:
+            u, v, fresh_v = new_u, new_v, True
         else:
-            u = torch.mul(u, m, out=ctx.spare("momentum", u)).add_(g)  # u = m * u + g
-            increment = u
-        v = state.velocity
-        fresh_v = v is not None or increment is not u  # v's memory is this exchange's own, not u's
-        v = increment if v is None else torch.add(v, increment, out=ctx.spare("velocity", v))
+            u = torch.zeros_like(g) if u is None else u
+            # Into spare memory, then in-place steps: the same roundings as the textbook expressions.
+            if self.nesterov:
+                u = torch.add(u, g, out=ctx.spare("momentum", u)).mul_(m)  # u = (u + g) * m
+                increment = u + g
+            else:
+                u = torch.mul(u, m, out=ctx.spare("momentum", u)).add_(g)  # u = m * u + g
+                increment = u
+            fresh_v = v is not None or increment is not u  # v's memory is this exchange's own, not u's
+            v = increment if v is None else torch.add(v, increment, out=ctx.spare("velocity", v))
         result = yield from run(v, ctx)
         if compressed:
             v = _minus_sent(v, result, own=fresh_v)
@@ -176,6 +185,14 @@ class MomentumCorrection(Feedback):
             v = None
         self.stage(ctx, MomentumState(momentum=u, velocity=v))
         return result
+
+
+@kernels.fused(min_numel=kernels.LARGE_NUMEL)
+def _momentum_step(u, g, v, new_u, new_v, *, m: float, nesterov: bool):
+    """MomentumCorrection's u and v updates into ``new_u`` and ``new_v``, in one loop."""
+    u = (u + g) * m if nesterov else u * m + g
+    new_u.copy_(u)
+    return new_v.copy_(v + (u + g if nesterov else u))
 
 
 _SCHEMES = {cls.name: cls for cls in (NoFeedback, Residual, MomentumCorrection)}

@@ -197,6 +197,30 @@ def test_powersgd_products_fused_equal_the_reference(rank, world, monkeypatch):
     assert_same_bits(*results)
 
 
+@pytest.mark.parametrize("nesterov", [False, True])
+@pytest.mark.parametrize("world", [1, 3])
+def test_dgc_momentum_correction_fused_equals_the_reference(nesterov, world, monkeypatch):
+    # u = m u + g and v = v + u (Nesterov: u = (u + g) m, v = v + u + g) in one kernel, rounded as the
+    # reference's separate steps; then the selection, the masking and the sent values as before.
+    used = []
+    original = feedback._momentum_step
+    monkeypatch.setattr(feedback, "_momentum_step", lambda *a, **k: used.append(1) or original(*a, **k))
+    xs = inputs(world, seed=8)
+    us, vs = inputs(world, seed=9), inputs(world, seed=10)
+    results = []
+    for fused in (True, False):
+        monkeypatch.setenv("GRADZIP_FUSED", "1" if fused else "0")
+        comp = make("dgc", ratio=0.01, warmup_epochs=0, momentum=0.9, nesterov=nesterov)
+        ctxs = [TensorContext(key="w", shape=x.shape, dtype=x.dtype, step=3, rank=r, world_size=world,
+                              state={"momentum": u.clone(), "velocity": v.clone()})
+                for r, (x, u, v) in enumerate(zip(xs, us, vs))]
+        outs = simulate([[feedback.exchange(comp, x, c)] for x, c in zip(xs, ctxs)])
+        results.append([(out[0].aggregate, c.updates["momentum"], c.updates["velocity"])
+                        for out, c in zip(outs, ctxs)])
+        assert len(used) == world
+    assert_same_bits(*results)
+
+
 def test_small_tensors_and_the_switch_keep_the_reference_path(monkeypatch, calls):
     small = [torch.randn(100, 7)]
     run("qsgd", {}, small, monkeypatch, fused=True)
