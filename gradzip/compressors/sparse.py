@@ -56,8 +56,9 @@ class Sparsifier(GatheredCompressor):
         for (values, _), idx in zip(gathered, positions):  # rank order: identical float sums on every rank
             total.index_add_(0, idx, values.float())
         # The mean: total / N, computed where something was sent (0 / N is 0 everywhere else).
-        union = torch.cat(positions) if len(positions) > 1 else positions[0]
-        if union.numel() * 4 < n:
+        union = None  # where the aggregate can be non-zero, when that is a small part of it
+        if sum(idx.numel() for idx in positions) * 4 < n:
+            union = torch.cat(positions) if len(positions) > 1 else positions[0]
             total.index_copy_(0, union, total.index_select(0, union).div_(ctx.world_size))
         else:
             total.div_(ctx.world_size)
@@ -427,9 +428,10 @@ class DGC(Sparsifier):
     value); if fewer than 0.8k pass it is lowered (at most ``max_retries`` times) to the sample's 2r-th,
     4r-th, 8r-th largest value, but at most halved, and halved where the sample goes no lower; if more
     than k pass, an exact top-k runs over the candidates only (hierarchical top-k), so the k *largest*
-    are kept (the reference code truncates by index order) and never more than k are sent.  Only tensors with dim > 1 and at least ``min_numel``
-    elements are compressed; the others go dense.  Wire: kept * (value bytes + index bytes), allgathered
-    with a size header (6 B per element with value_dtype="float16" and int32 indices).
+    are kept (the reference code truncates by index order) and never more than k are sent.  Only
+    tensors with dim > 1 and at least ``min_numel`` elements are compressed; the others go dense.
+    Wire: kept * (value bytes + index bytes), allgathered with a size header (6 B per element with
+    value_dtype="float16" and int32 indices).
     """
 
     name = "dgc"
