@@ -27,7 +27,7 @@ from typing import Callable, Optional
 import torch
 
 __all__ = ["MIN_NUMEL", "LARGE_NUMEL", "KERNELS", "Kernel", "fused", "enabled", "pack_codes", "unpack_codes",
-           "repeat_each"]
+           "repeat_each", "counter_uniforms"]
 
 #: The smallest tensor (elements) that takes a fused path: QSGD saves about 35 passes over 2^20
 #: elements, some 15 ms a step here, which repays a 5 s compile in a few hundred steps.
@@ -146,3 +146,25 @@ def unpack_codes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=packed.device)
     codes = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
     return codes.reshape(*packed.shape[:-1], -1)[..., :n]
+
+
+# -- random draws inside a kernel -------------------------------------------------------------------------
+
+
+def counter_uniforms(like: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+    """``like.shape[0]`` uniform draws in [0, 1) on the 2^-24 grid: u_i = the top 24 bits of
+    lowbias32(i xor seed) (C. Wellons' "hash prospector" integer hash), for a 0-d int32 ``seed``.
+
+    A counter-based generator: each draw is a function of its index and the seed alone, so a fused
+    kernel makes its draws in registers instead of reading a buffer that ``torch.rand`` wrote (some
+    eight passes over memory for 25M fp32 draws on a CPU).  The same code runs eagerly, slowly, to test
+    kernels against their reference paths.  int32 products wrap modulo 2^32 (two's complement), and the
+    right shifts are masked, so this is the unsigned 32-bit hash.
+    """
+    x = torch.arange(like.shape[0], dtype=torch.int32, device=like.device) ^ seed
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * 0x7FEB352D
+    x = x ^ ((x >> 15) & 0x1FFFF)
+    x = x * -0x7B935975  # 0x846CA68B as a signed 32-bit integer: the same product modulo 2^32
+    x = x ^ ((x >> 16) & 0xFFFF)
+    return ((x >> 8) & 0xFFFFFF).to(torch.float32) * 2.0**-24

@@ -36,6 +36,13 @@ def _uniforms(n: int, ctx: TensorContext, device: torch.device) -> torch.Tensor:
                       out=workspace("uniform", n, torch.float32, device))
 
 
+def _seed(ctx: TensorContext, device: torch.device) -> torch.Tensor:
+    """The fused kernels' draws: a 0-d int32 seed for :func:`kernels.counter_uniforms` from this worker's
+    private stream (the kernels make their uniforms from it, instead of reading :func:`_uniforms`)."""
+    gen = ctx.generator(device, shared=False)
+    return torch.randint(-2**31, 2**31, (), generator=gen, dtype=torch.int32, device=device)
+
+
 @functools.lru_cache(maxsize=64)
 def _signed_levels(bits: int, device: torch.device) -> torch.Tensor:
     """sign * xi for every QSGD code (bit 0 = sign, bits above = xi); -0.0 for a negative zero level."""
@@ -104,9 +111,10 @@ def natural_reference(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 @kernels.fused
-def _qsgd_encode(flat, scale, u, *, s: int, bs: int, bits: int):
+def _qsgd_encode(flat, scale, seed, *, s: int, bs: int, bits: int):
     """QSGD's packed codes: ratio = |v_i| * (s / ||v||), xi = floor(ratio) + [u < frac(ratio)] clamped
-    to 0..s, code = 2 xi + [v_i < 0] (as :meth:`QSGD.compress`, in one loop)."""
+    to 0..s, code = 2 xi + [v_i < 0] (as :meth:`QSGD.compress`, in one loop, u from ``seed``)."""
+    u = kernels.counter_uniforms(flat, seed)
     ratio = flat.abs() * kernels.repeat_each(scale, bs, flat.shape[0])
     xi = torch.floor(ratio) + (u < torch.frac(ratio)).to(ratio.dtype)
     codes = xi.to(torch.int32).clamp(0, s) * 2 + (flat < 0).to(torch.int32)
@@ -199,8 +207,7 @@ class QSGD(GatheredCompressor):
         else:
             norms = torch.cat([whole.abs().amax(dim=1), tail.abs().amax(dim=1)])
         scale = torch.where(norms > 0, self.levels / norms, 0.0)
-        u = _uniforms(self._buckets(n) * bs, ctx, flat.device)[:n]
-        packed = _qsgd_encode(flat, scale, u, s=self.levels, bs=bs, bits=self._bits)
+        packed = _qsgd_encode(flat, scale, _seed(ctx, flat.device), s=self.levels, bs=bs, bits=self._bits)
         return None if packed is None else (norms.float(), packed)
 
     def decompress(self, fields, ctx):
@@ -238,8 +245,10 @@ class QSGD(GatheredCompressor):
 
 
 @kernels.fused
-def _terngrad_encode(g, bound, s, u):
-    """TernGrad's packed codes t + 1 of clip(g) (as :meth:`TernGrad._codes` and ``pack_bits``, one loop)."""
+def _terngrad_encode(g, bound, s, seed):
+    """TernGrad's packed codes t + 1 of clip(g) (as :meth:`TernGrad._codes` and ``pack_bits``, one loop,
+    u from ``seed``)."""
+    u = kernels.counter_uniforms(g, seed)
     g = torch.clamp(g, -bound, bound)
     up = u < g.abs() / s.clamp_min(torch.finfo(torch.float32).tiny)
     codes = ((g > 0) & up).to(torch.uint8) * 2 + 1 - up.to(torch.uint8)
@@ -312,7 +321,7 @@ class TernGrad(Compressor):
             s_local = g.new_zeros(1)
         s = yield AllReduce(s_local, op="max")
         clip = bound if bound is not None else torch.tensor(math.inf, device=g.device)
-        packed = _terngrad_encode(g, clip, s, _uniforms(n, ctx, g.device)) if fused else None
+        packed = _terngrad_encode(g, clip, s, _seed(ctx, g.device)) if fused else None
         if packed is None:
             packed = pack_bits(self._codes(torch.clamp(g, -clip, clip) if fused else g, s, ctx), 2)
         gathered = yield AllGather((packed,), same_size=True)
@@ -336,8 +345,10 @@ class TernGrad(Compressor):
 
 
 @kernels.fused
-def _natural_encode(flat, u):
-    """Natural compression's codes from the fp32 bit pattern (as :meth:`Natural.compress`, one loop)."""
+def _natural_encode(flat, seed):
+    """Natural compression's codes from the fp32 bit pattern (as :meth:`Natural.compress`, one loop, u
+    from ``seed``)."""
+    u = kernels.counter_uniforms(flat, seed)
     bits = flat.view(torch.int32)
     biased = (bits >> 23) & 0xFF
     tiny = biased < 64
@@ -384,7 +395,7 @@ class Natural(GatheredCompressor):
     def compress(self, x, ctx):
         flat = x.reshape(-1).float().contiguous()
         n, device = flat.numel(), flat.device
-        codes = _natural_encode(flat, _uniforms(n, ctx, device)) if kernels.enabled(n) else None
+        codes = _natural_encode(flat, _seed(ctx, device)) if kernels.enabled(n) else None
         if codes is not None:
             return (codes,)
         bits = flat.view(torch.int32)
