@@ -251,7 +251,7 @@ def _terngrad_encode(g, bound, s, seed):
     u = kernels.counter_uniforms(g, seed)
     g = torch.clamp(g, -bound, bound)
     up = u < g.abs() / s.clamp_min(torch.finfo(torch.float32).tiny)
-    codes = ((g > 0) & up).to(torch.uint8) * 2 + 1 - up.to(torch.uint8)
+    codes = ((g > 0) & up).to(torch.int32) * 2 + 1 - up.to(torch.int32)  # int32: see kernels.pack_codes
     return kernels.pack_codes(codes, 2)
 
 
