@@ -32,6 +32,7 @@ CASES = [
     ("signsgd", {"zeros": "plus"}),
     ("signum", {}),
     ("signum", {"zeros": "plus", "scaled": False}),
+    ("onebit", {}),
 ]
 IDS = [f"{name}-{'-'.join(f'{k}={v}' for k, v in params.items())}" for name, params in CASES]
 

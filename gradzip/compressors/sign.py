@@ -52,6 +52,15 @@ def _pack_trits(flat, m: int):
     return packed.to(torch.uint8)
 
 
+@kernels.fused
+def _split_at_zero(M, positive, negative):
+    # OneBit's two groups, torch.where's values (bit for bit, as bits.select), into the given buffers.
+    # The comparison is made here: a bool tensor read in the loop would keep it scalar.
+    positive.copy_(torch.where(M >= 0, M, 0.0))
+    return negative.copy_(torch.where(M >= 0, 0.0, M))
+
+
+
 @kernels.fused(min_numel=kernels.LARGE_NUMEL)
 def _minus_scaled_signs(p, scale):
     # In place: p - (+scale where p >= 0, else -scale), exactly p minus its own decoded 1-bit signs.
@@ -215,17 +224,21 @@ class OneBit(GatheredCompressor):
         # are for contiguous M only.
         if M.dtype == torch.float32 and M.is_contiguous():
             pos = torch.ge(M, 0, out=workspace("onebit.pos", numel, torch.bool, M.device).view(M.shape))
-            buffers = {"out": workspace("onebit.picked", numel, torch.float32, M.device).view(M.shape),
-                       "scratch": workspace("onebit.mask", numel, torch.int32, M.device).view(M.shape)}
-            pos_total = select(pos, M, zero, **buffers).sum(dim=0)
-            neg_total = select(pos, zero, M, **buffers).sum(dim=0)
+            picked = workspace("onebit.picked", numel, torch.float32, M.device).view(M.shape)
+            other = workspace("onebit.other", numel, torch.float32, M.device).view(M.shape)
+            if kernels.enabled(numel) and _split_at_zero(M, picked, other) is not None:
+                pos_total, neg_total = picked.sum(dim=0), other.sum(dim=0)  # eager: the reference's order
+            else:
+                buffers = {"out": picked, "scratch": workspace("onebit.mask", numel, torch.int32, M.device).view(M.shape)}
+                pos_total = select(pos, M, zero, **buffers).sum(dim=0)
+                neg_total = select(pos, zero, M, **buffers).sum(dim=0)
         elif M.dtype == torch.float32:
             pos = M >= 0
             pos_total, neg_total = select(pos, M, zero).sum(dim=0), select(pos, zero, M).sum(dim=0)
         else:
             pos = M >= 0
             pos_total, neg_total = torch.where(pos, M, zero).sum(dim=0), torch.where(pos, zero, M).sum(dim=0)
-        pos_count = pos.sum(dim=0)
+        pos_count = pos.sum(dim=0, dtype=torch.int32)  # exact, without an int64 copy of the mask
         means = torch.cat([pos_total / pos_count.clamp(min=1), neg_total / (rows - pos_count).clamp(min=1)]).float()
         return means, pack_bits(pos, 1)
 
