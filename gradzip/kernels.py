@@ -27,7 +27,7 @@ from typing import Callable, Optional
 import torch
 
 __all__ = ["MIN_NUMEL", "LARGE_NUMEL", "KERNELS", "Kernel", "fused", "enabled", "pack_codes", "unpack_codes",
-           "repeat_each", "counter_uniforms"]
+           "repeat_each", "counter_uniforms", "uniforms_from"]
 
 #: The smallest tensor (elements) that takes a fused path: QSGD saves about 35 passes over 2^20
 #: elements, some 15 ms a step here, which repays a 5 s compile in a few hundred steps.
@@ -168,3 +168,9 @@ def counter_uniforms(like: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
     x = x * -0x7B935975  # 0x846CA68B as a signed 32-bit integer: the same product modulo 2^32
     x = x ^ ((x >> 16) & 0xFFFF)
     return ((x >> 8) & 0xFFFFFF).to(torch.float32) * 2.0**-24
+
+
+def uniforms_from(like: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
+    """A kernel's uniforms: :func:`counter_uniforms` of ``draws`` when it is a 0-d seed, else ``draws``
+    itself (uniforms already drawn, one per element; torch.compile specialises on which)."""
+    return counter_uniforms(like, draws) if draws.dim() == 0 else draws

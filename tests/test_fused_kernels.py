@@ -233,6 +233,16 @@ def test_dgc_momentum_correction_fused_equals_the_reference(nesterov, world, mon
     assert_same_bits(*results)
 
 
+@pytest.mark.parametrize("name", ["qsgd", "terngrad", "natural"])
+def test_kernels_read_torch_rands_draws_where_they_make_none(name, monkeypatch, calls):
+    # On GPUs the kernels take torch.rand's draws, as the reference path does (here: on the CPU).
+    monkeypatch.setattr(quantize, "_COUNTER_DRAWS", ())
+    xs = inputs(2, seed=11)
+    fused = run(name, {}, xs, monkeypatch, fused=True)
+    assert calls["n"] > 0
+    assert_same_bits(fused, run(name, {}, xs, monkeypatch, fused=False, same_draws=False))
+
+
 def test_counter_uniforms_in_a_kernel_equal_the_eager_ones_and_look_uniform():
     draw = kernels.fused(kernels.counter_uniforms, min_numel=1)
     like = torch.empty(LOWERED + 3)  # a vector tail after the whole vectors

@@ -37,10 +37,21 @@ def _uniforms(n: int, ctx: TensorContext, device: torch.device) -> torch.Tensor:
 
 
 def _seed(ctx: TensorContext, device: torch.device) -> torch.Tensor:
-    """The fused kernels' draws: a 0-d int32 seed for :func:`kernels.counter_uniforms` from this worker's
-    private stream (the kernels make their uniforms from it, instead of reading :func:`_uniforms`)."""
+    """A 0-d int32 seed for :func:`kernels.counter_uniforms` from this worker's private stream."""
     gen = ctx.generator(device, shared=False)
     return torch.randint(-2**31, 2**31, (), generator=gen, dtype=torch.int32, device=device)
+
+
+def _kernel_draws(n: int, ctx: TensorContext, device: torch.device, drawn: Optional[int] = None) -> torch.Tensor:
+    """What a fused kernel takes its n uniforms from (:func:`kernels.uniforms_from`): on CPUs a seed,
+    the kernel making the draws in its loop (writing them with torch.rand costs some eight passes
+    there); on GPUs, where torch.rand is cheap and the hash's integer arithmetic has not been
+    tested, the first n of torch.rand's ``drawn`` (default n) draws, as the reference path takes them."""
+    return _seed(ctx, device) if device.type in _COUNTER_DRAWS else _uniforms(drawn or n, ctx, device)[:n]
+
+
+#: Where fused kernels make their own draws (:func:`_kernel_draws`).
+_COUNTER_DRAWS = ("cpu",)
 
 
 @functools.lru_cache(maxsize=64)
@@ -111,10 +122,10 @@ def natural_reference(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 @kernels.fused
-def _qsgd_encode(flat, scale, seed, *, s: int, bs: int, bits: int):
+def _qsgd_encode(flat, scale, draws, *, s: int, bs: int, bits: int):
     """QSGD's packed codes: ratio = |v_i| * (s / ||v||), xi = floor(ratio) + [u < frac(ratio)] clamped
-    to 0..s, code = 2 xi + [v_i < 0] (as :meth:`QSGD.compress`, in one loop, u from ``seed``)."""
-    u = kernels.counter_uniforms(flat, seed)
+    to 0..s, code = 2 xi + [v_i < 0] (as :meth:`QSGD.compress`, in one loop, u from ``draws``)."""
+    u = kernels.uniforms_from(flat, draws)
     ratio = flat.abs() * kernels.repeat_each(scale, bs, flat.shape[0])
     xi = torch.floor(ratio) + (u < torch.frac(ratio)).to(ratio.dtype)
     codes = xi.to(torch.int32).clamp(0, s) * 2 + (flat < 0).to(torch.int32)
@@ -207,7 +218,8 @@ class QSGD(GatheredCompressor):
         else:
             norms = torch.cat([whole.abs().amax(dim=1), tail.abs().amax(dim=1)])
         scale = torch.where(norms > 0, self.levels / norms, 0.0)
-        packed = _qsgd_encode(flat, scale, _seed(ctx, flat.device), s=self.levels, bs=bs, bits=self._bits)
+        draws = _kernel_draws(n, ctx, flat.device, drawn=self._buckets(n) * bs)
+        packed = _qsgd_encode(flat, scale, draws, s=self.levels, bs=bs, bits=self._bits)
         return None if packed is None else (norms.float(), packed)
 
     def decompress(self, fields, ctx):
@@ -245,10 +257,10 @@ class QSGD(GatheredCompressor):
 
 
 @kernels.fused
-def _terngrad_encode(g, bound, s, seed):
+def _terngrad_encode(g, bound, s, draws):
     """TernGrad's packed codes t + 1 of clip(g) (as :meth:`TernGrad._codes` and ``pack_bits``, one loop,
-    u from ``seed``)."""
-    u = kernels.counter_uniforms(g, seed)
+    u from ``draws``)."""
+    u = kernels.uniforms_from(g, draws)
     g = torch.clamp(g, -bound, bound)
     up = u < g.abs() / s.clamp_min(torch.finfo(torch.float32).tiny)
     codes = ((g > 0) & up).to(torch.int32) * 2 + 1 - up.to(torch.int32)  # int32: see kernels.pack_codes
@@ -321,7 +333,7 @@ class TernGrad(Compressor):
             s_local = g.new_zeros(1)
         s = yield AllReduce(s_local, op="max")
         clip = bound if bound is not None else torch.tensor(math.inf, device=g.device)
-        packed = _terngrad_encode(g, clip, s, _seed(ctx, g.device)) if fused else None
+        packed = _terngrad_encode(g, clip, s, _kernel_draws(n, ctx, g.device)) if fused else None
         if packed is None:
             packed = pack_bits(self._codes(torch.clamp(g, -clip, clip) if fused else g, s, ctx), 2)
         gathered = yield AllGather((packed,), same_size=True)
@@ -345,10 +357,10 @@ class TernGrad(Compressor):
 
 
 @kernels.fused
-def _natural_encode(flat, seed):
+def _natural_encode(flat, draws):
     """Natural compression's codes from the fp32 bit pattern (as :meth:`Natural.compress`, one loop, u
-    from ``seed``)."""
-    u = kernels.counter_uniforms(flat, seed)
+    from ``draws``)."""
+    u = kernels.uniforms_from(flat, draws)
     bits = flat.view(torch.int32)
     biased = (bits >> 23) & 0xFF
     tiny = biased < 64
@@ -395,7 +407,7 @@ class Natural(GatheredCompressor):
     def compress(self, x, ctx):
         flat = x.reshape(-1).float().contiguous()
         n, device = flat.numel(), flat.device
-        codes = _natural_encode(flat, _seed(ctx, device)) if kernels.enabled(n) else None
+        codes = _natural_encode(flat, _kernel_draws(n, ctx, device)) if kernels.enabled(n) else None
         if codes is not None:
             return (codes,)
         bits = flat.view(torch.int32)
