@@ -153,8 +153,9 @@ class MomentumCorrection(Feedback):
         state = self.load(ctx)
         u, v = state.momentum, state.velocity
         fused = None
-        if u is not None and v is not None and kernels.enabled(g.numel()) and g.is_contiguous():
-            # Both updates in one pass over u, g and v (a kernel, on large tensors), rounded as below.
+        if u is not None and v is not None and kernels.enabled(g.numel()) and g.is_contiguous() and g.device.type == "cpu":
+            # Both updates in one pass over u, g and v (a kernel, on large CPU tensors: GPU compilers
+            # contract a multiply and an add into one rounding), rounded as below.
             new_u, new_v = ctx.spare("momentum", u), ctx.spare("velocity", v)
             fused = _momentum_step(u, g, v, new_u, new_v, m=m, nesterov=self.nesterov)
         if fused is not None:
