@@ -153,7 +153,8 @@ class MomentumCorrection(Feedback):
         state = self.load(ctx)
         u, v = state.momentum, state.velocity
         fused = None
-        if u is not None and v is not None and kernels.enabled(g.numel()) and g.is_contiguous() and g.device.type == "cpu":
+        fusable = kernels.enabled(g.numel()) and g.is_contiguous() and g.device.type == "cpu"
+        if u is not None and v is not None and fusable:
             # Both updates in one pass over u, g and v (a kernel, on large CPU tensors: GPU compilers
             # contract a multiply and an add into one rounding), rounded as below.
             new_u, new_v = ctx.spare("momentum", u), ctx.spare("velocity", v)

@@ -60,7 +60,6 @@ def _split_at_zero(M, positive, negative):
     return negative.copy_(torch.where(M >= 0, 0.0, M))
 
 
-
 @kernels.fused(min_numel=kernels.LARGE_NUMEL)
 def _minus_scaled_signs(p, scale):
     # In place: p - (+scale where p >= 0, else -scale), exactly p minus its own decoded 1-bit signs.
@@ -225,8 +224,11 @@ class OneBit(GatheredCompressor):
         if M.dtype == torch.float32 and M.is_contiguous():
             pos = torch.ge(M, 0, out=workspace("onebit.pos", numel, torch.bool, M.device).view(M.shape))
             picked = workspace("onebit.picked", numel, torch.float32, M.device).view(M.shape)
-            other = workspace("onebit.other", numel, torch.float32, M.device).view(M.shape)
-            if kernels.enabled(numel) and _split_at_zero(M, picked, other) is not None:
+            # The second group's buffer only where the kernel may run: the reference path reuses picked.
+            other = None
+            if kernels.enabled(numel):
+                other = workspace("onebit.other", numel, torch.float32, M.device).view(M.shape)
+            if other is not None and _split_at_zero(M, picked, other) is not None:
                 pos_total, neg_total = picked.sum(dim=0), other.sum(dim=0)  # eager: the reference's order
             else:
                 buffers = {"out": picked, "scratch": workspace("onebit.mask", numel, torch.int32, M.device).view(M.shape)}
