@@ -153,6 +153,20 @@ def test_random_positions_are_uniform():
     assert abs(float(counts[: n // 2].sum()) / (steps * k) - 0.5) < 0.01
 
 
+def test_random_positions_pairs_are_those_of_a_uniform_subset():
+    # In a uniform k-subset of n positions, each of the n - 1 neighbouring pairs is chosen whole with
+    # probability k (k - 1) / (n (n - 1)): a sampler that spreads its positions out (stratified, or
+    # dropping near duplicates) or clumps them gets a different count.
+    n, k, steps = 1 << 16, 4096, 300
+    pairs = 0
+    for seed in range(steps):
+        chosen = torch.zeros(n, dtype=torch.bool)
+        chosen[random_positions(n, k, torch.Generator().manual_seed(seed))] = True
+        pairs += int((chosen[1:] & chosen[:-1]).sum())
+    expected = steps * k * (k - 1) / n
+    assert abs(pairs - expected) < 6 * math.sqrt(expected), (pairs, expected)
+
+
 def test_randomk_on_a_large_tensor_sends_k_shared_positions():
     comp = gradzip.make("randomk", ratio=0.01)
     x = randn(400, 500, seed=2)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+import numpy as np
 import torch
 
 from ..bits import index_dtype
@@ -262,24 +263,28 @@ def random_positions(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
     """k distinct positions out of n, every k-subset equally likely, drawn from ``gen`` only.
 
     ``randperm(n)[:k]`` costs O(n) (over a second for 25M elements on a CPU) to keep 1%.  For large,
-    sparse draws this takes independent uniform draws until k distinct values have appeared and keeps
-    the first k distinct ones in draw order: sequential sampling without replacement, so the subset is
-    uniform; the positions come back in ascending order (the sum order is the same on every rank).
+    sparse draws this takes a few more than k uniform draws, sorts them and keeps the d distinct values:
+    given d, a uniformly random d-subset, since nothing in the draws favours one position over another.
+    Dropping d - k of them at ranks drawn independently of their values (a recursive, much smaller
+    draw) leaves a uniformly random k-subset, in ascending order (the sum order is the same on every
+    rank).  The draws are int32 where n allows: sorting them takes two thirds of the time of int64's.
     """
     device = gen.device
     if n < _PREFILTER_MIN or 16 * k > n or device.type != "cpu":  # randperm is fast on GPUs
         return torch.randperm(n, generator=gen, device=device)[:k]
-    draws = torch.empty(0, dtype=torch.long, device=device)
-    while True:
+    dtype = torch.int32 if n <= torch.iinfo(torch.int32).max else torch.int64
+    distinct = torch.empty(0, dtype=dtype, device=device)
+    while distinct.numel() < k:
         # Expected repeats among m draws are about m^2 / 2n; draw a few standard deviations more.
         extra = math.ceil(k * k / n + 6 * math.sqrt(k * k / n) + 16)
-        draws = torch.cat([draws, torch.randint(n, (k + extra,), generator=gen, device=device)])
-        distinct, inverse = torch.unique(draws, return_inverse=True)
-        if distinct.numel() >= k:
-            break
-    order = torch.arange(draws.numel(), device=device)
-    first = torch.full_like(distinct, draws.numel()).scatter_reduce_(0, inverse, order, "amin")
-    return distinct[first <= torch.kthvalue(first, k).values]
+        draws = torch.randint(n, (k - distinct.numel() + extra,), generator=gen, device=device, dtype=dtype)
+        both = torch.cat([distinct, draws])
+        distinct = torch.unique_consecutive(torch.from_numpy(np.sort(both.numpy())))  # numpy's: twice torch's speed
+    if distinct.numel() > k:
+        kept = torch.ones(distinct.numel(), dtype=torch.bool, device=device)
+        kept[random_positions(distinct.numel(), distinct.numel() - k, gen)] = False
+        distinct = distinct.masked_select(kept)
+    return distinct.long()
 
 
 # -- sparsifiers with positions shared by all ranks: values are allreduced ------------------------------
@@ -310,7 +315,7 @@ class SharedSparsifier(Compressor):
         payload = (flat.index_select(0, idx) * (scale / pre)).to(vdtype)
         total = yield AllReduce(payload)
         aggregate = ctx.buffer("aggregate", (flat.numel(),), torch.float32, x.device).zero_()
-        aggregate[idx] = total.float() * (pre / ctx.world_size)
+        aggregate.index_copy_(0, idx, total.float() * (pre / ctx.world_size))
         return Exchanged(aggregate.view(ctx.shape), sparse=(idx, payload.float() * pre), support=idx)
 
 

@@ -122,6 +122,6 @@ class SparseLoCo(Compressor):
             total.index_add_(0, idx, values)
             if rank == ctx.rank:
                 own = (idx, values)
-        flat.index_copy_(0, own[0], flat.index_select(0, own[0]).sub_(own[1]))  # e = e - D(C(e)), only where something was sent
+        flat.index_add_(0, own[0], own[1], alpha=-1)  # e = e - D(C(e)), only where something was sent
         ctx.set(self.state_key, e)
         return Exchanged(total.div_(len(gathered)).view(ctx.shape), sparse=own)
