@@ -139,12 +139,21 @@ def _kth_largest(a: torch.Tensor, k: int) -> torch.Tensor:
     return torch.topk(a, k, sorted=False).values.min()
 
 
+def _where(mask: torch.Tensor) -> torch.Tensor:
+    """The positions of ``mask``'s True elements in its flattened order: int64, ascending, as
+    ``mask.nonzero()``, which on CPUs takes four to six times as long as numpy's ``flatnonzero`` (25M
+    elements: 28 ms against 7 at 0.3% True, 280 ms against 44 at 94%)."""
+    if mask.device.type != "cpu":
+        return mask.nonzero().reshape(-1)
+    return torch.from_numpy(np.flatnonzero(mask.numpy()))
+
+
 def _at_least(a: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
     # Zeros are never worth sending: a zero threshold (sparse gradients, e.g. embeddings) must not
     # select the whole tensor.  For a >= 0, "a >= t and a > 0" is "a >= max(t, smallest positive
     # subnormal)": one comparison pass instead of three (a NaN threshold stays NaN and selects nothing).
     passed = workspace("mask", a.numel(), torch.bool, a.device)
-    return torch.ge(a, _above_zero(threshold, a.dtype), out=passed).nonzero().reshape(-1)
+    return _where(torch.ge(a, _above_zero(threshold, a.dtype), out=passed))
 
 
 def _above_zero(threshold: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -192,7 +201,7 @@ def top_k(a: torch.Tensor, k: int) -> torch.Tensor:
         return torch.topk(a, k, sorted=False).indices
     threshold = _sampled_threshold(a[::stride], k, n)
     below = torch.lt(a, threshold, out=workspace("mask", n, torch.bool, a.device))
-    candidates = below.logical_not_().nonzero().reshape(-1)
+    candidates = _where(below.logical_not_())
     if candidates.numel() < k:
         return torch.topk(a, k, sorted=False).indices
     return candidates[torch.topk(a.index_select(0, candidates), k, sorted=False).indices]
@@ -242,7 +251,7 @@ def _not_below_abs(x: torch.Tensor, threshold: torch.Tensor, keep_nan: bool = Tr
     lows = torch.amin(rows, 0, out=scratch("lows", x.dtype, (w,))).neg_()
     tops = torch.maximum(tops, lows, out=tops)  # NaN propagates, so its column is kept
     # Boolean masks: nonzero over a bool tensor takes half the time it takes over a 0./1. float one.
-    columns = torch.lt(tops, threshold, out=scratch("columns", torch.bool, (w,))).logical_not_().nonzero().view(-1)
+    columns = _where(torch.lt(tops, threshold, out=scratch("columns", torch.bool, (w,))).logical_not_())
     c = columns.numel()
     picked = torch.index_select(rows, 1, columns, out=scratch("picked", x.dtype, (GROUPS, c))).abs_()
 
@@ -251,11 +260,11 @@ def _not_below_abs(x: torch.Tensor, threshold: torch.Tensor, keep_nan: bool = Tr
             return torch.lt(a, threshold, out=out).logical_not_()
         return torch.ge(a, threshold, out=out)
 
-    hits = passing(picked, scratch("hits", torch.bool, (GROUPS, c))).view(-1).nonzero().view(-1)
+    hits = _where(passing(picked, scratch("hits", torch.bool, (GROUPS, c))))
     # Row by row, columns ascending within a row: i = row * w + column is ascending, tail last.
     row = hits.div(max(c, 1), rounding_mode="floor")
     found = columns.index_select(0, hits - row * c).add_(row * w)
-    tail = passing(x[GROUPS * w :].abs()).nonzero().view(-1).add_(GROUPS * w)
+    tail = _where(passing(x[GROUPS * w :].abs())).add_(GROUPS * w)
     return torch.cat([found, tail])
 
 
@@ -376,7 +385,7 @@ class Threshold(Sparsifier):
 
     def select(self, flat, ctx):
         passed = workspace("mask", flat.numel(), torch.bool, flat.device)
-        return torch.gt(magnitudes(flat), self.tau, out=passed).nonzero().reshape(-1)
+        return _where(torch.gt(magnitudes(flat), self.tau, out=passed))
 
 
 @register
@@ -605,7 +614,7 @@ class AdaptiveThreshold(Compressor):
     def _side(self, flat: torch.Tensor, sign: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions of the kept values of one sign (unique int64) and their mean (fp32, 0 when none)."""
         signed = flat * sign
-        candidates = (signed > 0).nonzero().reshape(-1)
+        candidates = _where(signed > 0)
         k = math.ceil(self.ratio * candidates.numel())
         idx = candidates[torch.topk(signed[candidates], k, sorted=False).indices]
         mean = flat[idx].mean() if k else flat.new_zeros(())
