@@ -45,9 +45,13 @@ def _any_nonfinite(grads: Sequence[torch.Tensor]) -> bool:
 
 def _may_be_nonfinite(output: torch.Tensor, result) -> torch.Tensor:
     """The part of ``output`` that can hold a non-finite value: a sparsifier's aggregate is zero outside
-    its ``support``, and so is the output there (a copy or cast of it), so only the support is read."""
+    its ``support``, and so is the output there (a copy or cast of it), so only the support is read:
+    the values the sparsifier wrote there, where the output is the aggregate or an exact copy of it
+    (a cast to a narrower type can overflow, so that output is read itself)."""
     if result.support is None or not output.is_contiguous():
         return output
+    if result.support_values is not None and output.dtype == result.aggregate.dtype:
+        return result.support_values
     return output.view(-1).index_select(0, result.support)
 
 

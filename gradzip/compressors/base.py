@@ -72,11 +72,12 @@ class Exchanged:
     the next step can take the integration's plain dense path at once.
     """
 
-    __slots__ = ("aggregate", "_sent", "_mask", "sparse", "sent_into", "subtract_sent", "support", "settled_dense")
+    __slots__ = ("aggregate", "_sent", "_mask", "sparse", "sent_into", "subtract_sent", "support", "support_values",
+                 "settled_dense")
 
     def __init__(self, aggregate: torch.Tensor, sent=None, mask=None, *, sparse: Optional[tuple] = None,
                  sent_into: Optional[Callable] = None, subtract_sent: Optional[Callable] = None,
-                 support: Optional[torch.Tensor] = None):
+                 support: Optional[torch.Tensor] = None, support_values: Optional[torch.Tensor] = None):
         if sent is None and sparse is None:
             raise ValueError("Exchanged needs sent or sparse")
         self.aggregate = aggregate
@@ -93,6 +94,9 @@ class Exchanged:
         #: Optional int64 positions of the flattened aggregate (repeats allowed) outside which it is
         #: exactly zero, as a sparsifier's scatter leaves it: the finiteness check reads only those.
         self.support = support
+        #: Optional float32 values the aggregate holds at ``support``, the very ones written there: the
+        #: check reads these instead of gathering them again from scattered positions.
+        self.support_values = support_values
         self.settled_dense = False
 
     @property

@@ -57,15 +57,16 @@ class Sparsifier(GatheredCompressor):
         for (values, _), idx in zip(gathered, positions):  # rank order: identical float sums on every rank
             total.index_add_(0, idx, values.float())
         # The mean: total / N, computed where something was sent (0 / N is 0 everywhere else).
-        union = None  # where the aggregate can be non-zero, when that is a small part of it
+        union = means = None  # where the aggregate can be non-zero, when that is a small part of it
         if sum(idx.numel() for idx in positions) * 4 < n:
             union = torch.cat(positions) if len(positions) > 1 else positions[0]
-            total.index_copy_(0, union, total.index_select(0, union).div_(ctx.world_size))
+            means = total.index_select(0, union).div_(ctx.world_size)
+            total.index_copy_(0, union, means)
         else:
             total.div_(ctx.world_size)
         # sent is zero but at this rank's own positions: error feedback touches only those.
         sent = (positions[ctx.rank], gathered[ctx.rank][0].float())
-        return Exchanged(total.view(ctx.shape), sparse=sent, support=union)
+        return Exchanged(total.view(ctx.shape), sparse=sent, support=union, support_values=means)
 
     def payload_bytes(self, ctx, kept=None):
         if kept is None:
@@ -324,8 +325,10 @@ class SharedSparsifier(Compressor):
         payload = (flat.index_select(0, idx) * (scale / pre)).to(vdtype)
         total = yield AllReduce(payload)
         aggregate = ctx.buffer("aggregate", (flat.numel(),), torch.float32, x.device).zero_()
-        aggregate.index_copy_(0, idx, total.float() * (pre / ctx.world_size))
-        return Exchanged(aggregate.view(ctx.shape), sparse=(idx, payload.float() * pre), support=idx)
+        means = total.float() * (pre / ctx.world_size)
+        aggregate.index_copy_(0, idx, means)
+        return Exchanged(aggregate.view(ctx.shape), sparse=(idx, payload.float() * pre), support=idx,
+                         support_values=means)
 
 
 @register
