@@ -149,6 +149,15 @@ def _where(mask: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.flatnonzero(mask.numpy()))
 
 
+def _where_2d(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row and column indices of the 2-D ``mask``'s True elements, row by row (as ``mask.nonzero()``'s
+    two columns): no integer division of flat positions, which costs more than finding them."""
+    if mask.device.type != "cpu":
+        return mask.nonzero().unbind(1)
+    rows, cols = np.nonzero(mask.numpy())
+    return torch.from_numpy(rows), torch.from_numpy(cols)
+
+
 def _at_least(a: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
     # Zeros are never worth sending: a zero threshold (sparse gradients, e.g. embeddings) must not
     # select the whole tensor.  For a >= 0, "a >= t and a > 0" is "a >= max(t, smallest positive
@@ -261,10 +270,9 @@ def _not_below_abs(x: torch.Tensor, threshold: torch.Tensor, keep_nan: bool = Tr
             return torch.lt(a, threshold, out=out).logical_not_()
         return torch.ge(a, threshold, out=out)
 
-    hits = _where(passing(picked, scratch("hits", torch.bool, (GROUPS, c))))
+    row, hit = _where_2d(passing(picked, scratch("hits", torch.bool, (GROUPS, c))))
     # Row by row, columns ascending within a row: i = row * w + column is ascending, tail last.
-    row = hits.div(max(c, 1), rounding_mode="floor")
-    found = columns.index_select(0, hits - row * c).add_(row * w)
+    found = columns.index_select(0, hit).add_(row.mul_(w))
     tail = _where(passing(x[GROUPS * w :].abs())).add_(GROUPS * w)
     return torch.cat([found, tail])
 
