@@ -149,6 +149,22 @@ def test_nan_and_inf_as_the_reference(name, params, monkeypatch):
                      run(name, params, xs, monkeypatch, fused=False))
 
 
+@pytest.mark.parametrize("world", [1, 3])
+@pytest.mark.parametrize("name, params", [("qsgd", {}), ("qsgd", {"levels": 7, "norm": "max"}), ("terngrad", {}),
+                                          ("natural", {})])
+def test_decoding_by_byte_table_equals_the_kernels_and_unpacking(name, params, world, monkeypatch, calls):
+    # CPUs decode 2-, 4- and 8-bit codes by looking up whole bytes; the fused decoding kernels (GPUs) and
+    # the unpacking reference give the same aggregate and the same decoded own payload, bit for bit.
+    xs = [x.reshape(-1)[:-1].clone() for x in inputs(world, seed=6)]  # 65,791: a part-filled last byte
+    xs[0][9:12] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    table = run(name, params, xs, monkeypatch, fused=True)
+    monkeypatch.setattr(quantize, "_TABLE_DECODE", ())
+    decoding = {"n": calls["n"]}
+    assert_same_bits(table, run(name, params, xs, monkeypatch, fused=True))
+    assert calls["n"] > decoding["n"] + world  # the encoding kernels, then the decoding ones
+    assert_same_bits(table, run(name, params, xs, monkeypatch, fused=False))
+
+
 @pytest.mark.parametrize("params", [{}, {"zeros": "plus", "beta": 0.99}])
 def test_signum_momentum_update(params, monkeypatch, calls):
     x, m = inputs(2, seed=3)

@@ -12,7 +12,7 @@ import torch
 
 import gradzip
 from gradzip import feedback
-from gradzip.bits import pack_bits, select, unpack_bits
+from gradzip.bits import byte_table, lookup_codes, pack_bits, select, unpack_bits
 from gradzip.collectives import LocalTransport, run_lockstep
 from gradzip.compressors.base import Exchanged, TensorContext
 from gradzip.compressors.dense import NoCompression
@@ -177,6 +177,21 @@ def test_randomk_on_a_large_tensor_sends_k_shared_positions():
         outs.append(next(gen))
     assert outs[0].tensor.shape == (2000,)
     assert torch.equal(outs[0].tensor * 2, outs[1].tensor)  # same positions on both ranks
+
+
+# -- decoding packed codes by byte ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_lookup_codes_is_the_table_of_each_unpacked_code(bits):
+    gen = torch.Generator().manual_seed(bits)
+    values = torch.randn(2**bits, generator=gen)
+    for n in (0, 1, 7, 8, 9, 1001):
+        codes = torch.randint(0, 2**bits, (n,), generator=gen)
+        packed = pack_bits(codes, bits)
+        out, index = torch.full((n,), float("nan")), torch.empty(packed.numel(), dtype=torch.int32)
+        assert lookup_codes(packed, byte_table(values, bits), n, out, index) is out
+        assert torch.equal(out, values[unpack_bits(packed, bits, n).long()]), (bits, n)
 
 
 # -- bit packing (numpy on the CPU) against the tensor reference ---------------------------------------
