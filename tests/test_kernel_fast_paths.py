@@ -14,7 +14,7 @@ import gradzip
 from gradzip import feedback
 from gradzip.bits import byte_table, lookup_codes, pack_bits, select, unpack_bits
 from gradzip.collectives import LocalTransport, run_lockstep
-from gradzip.compressors.base import Exchanged, TensorContext
+from gradzip.compressors.base import Exchanged, TensorContext, zeroed
 from gradzip.compressors.dense import NoCompression
 from gradzip.compressors.sketch import median_of_rows
 from gradzip.compressors.sparse import _at_least, _at_least_abs, magnitudes, random_positions, top_k, top_k_abs
@@ -177,6 +177,20 @@ def test_randomk_on_a_large_tensor_sends_k_shared_positions():
         outs.append(next(gen))
     assert outs[0].tensor.shape == (2000,)
     assert torch.equal(outs[0].tensor * 2, outs[1].tensor)  # same positions on both ranks
+
+
+# -- zeroing large buffers ------------------------------------------------------------------------------
+
+
+def test_zeroed_sets_positive_zeros_where_asked_and_nowhere_else():
+    big = torch.full((1 << 17,), float("nan"))
+    assert zeroed(big) is big and torch.equal(big.view(torch.int32), torch.zeros(1 << 17, dtype=torch.int32))
+    rows = torch.full((1 << 10, 1 << 8), -1.0)
+    zeroed(rows[:, 1:])  # not contiguous: torch's own zero_
+    assert bool((rows[:, 1:] == 0).all()) and bool((rows[:, 0] == -1).all())
+    part = torch.full((3 << 16,), 5.0)
+    zeroed(part[1 << 16 : 2 << 16])  # a contiguous slice: only its own bytes
+    assert float(part.sum()) == 5.0 * (2 << 16) and bool((part[1 << 16 : 2 << 16] == 0).all())
 
 
 # -- decoding packed codes by byte ---------------------------------------------------------------------

@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from .base import AllReduce, Compressor, Exchanged, TensorContext, check_ratio
+from .base import AllReduce, Compressor, Exchanged, TensorContext, check_ratio, zeroed
 from .registry import register
 
 
@@ -109,7 +109,7 @@ class Sketch(Compressor):
         idx = torch.topk(estimate.abs_(), k, sorted=False).indices
         mine = flat[idx]
         values = yield AllReduce(mine)
-        aggregate = ctx.buffer("aggregate", (n,), torch.float32, x.device).zero_()
+        aggregate = zeroed(ctx.buffer("aggregate", (n,), torch.float32, x.device))
         aggregate[idx] = values / ctx.world_size
         return Exchanged(aggregate.view(ctx.shape), sparse=(idx, mine))
 

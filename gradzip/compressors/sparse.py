@@ -16,7 +16,7 @@ import torch
 from ..bits import index_dtype
 from .base import AllGather, AllReduce, Compressor, Exchanged, GatheredCompressor, TensorContext, check_ratio
 from .base import value_dtype as _parse_value_dtype
-from .base import workspace
+from .base import workspace, zeroed
 from .registry import register
 
 
@@ -52,7 +52,7 @@ class Sparsifier(GatheredCompressor):
         fields = self.compress(x, ctx)
         gathered = yield AllGather(fields, same_size=self.same_size)
         n = ctx.shape.numel()
-        total = ctx.buffer("aggregate", (n,), torch.float32, x.device).zero_()
+        total = zeroed(ctx.buffer("aggregate", (n,), torch.float32, x.device))
         positions = [idx.long() for _, idx in gathered]
         for (values, _), idx in zip(gathered, positions):  # rank order: identical float sums on every rank
             total.index_add_(0, idx, values.float())
@@ -332,7 +332,7 @@ class SharedSparsifier(Compressor):
         pre = ctx.world_size if vdtype.itemsize == 2 else 1
         payload = (flat.index_select(0, idx) * (scale / pre)).to(vdtype)
         total = yield AllReduce(payload)
-        aggregate = ctx.buffer("aggregate", (flat.numel(),), torch.float32, x.device).zero_()
+        aggregate = zeroed(ctx.buffer("aggregate", (flat.numel(),), torch.float32, x.device))
         means = total.float() * (pre / ctx.world_size)
         aggregate.index_copy_(0, idx, means)
         return Exchanged(aggregate.view(ctx.shape), sparse=(idx, payload.float() * pre), support=idx,
@@ -638,7 +638,7 @@ class AdaptiveThreshold(Compressor):
         itype = index_dtype(flat.numel())
         means = torch.stack([mu_pos, mu_neg])
         gathered = yield AllGather((means, pos.to(itype), neg.to(itype)), same_size=False)
-        total = ctx.buffer("aggregate", (flat.numel(),), torch.float32, x.device).zero_()
+        total = zeroed(ctx.buffer("aggregate", (flat.numel(),), torch.float32, x.device))
         for m, p, q in gathered:  # rank order: identical float sums on every rank
             total.index_add_(0, p.long(), m[0].expand(p.numel()))
             total.index_add_(0, q.long(), m[1].expand(q.numel()))

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from ..bits import index_dtype, pack_bits, packed_nbytes, unpack_bits
-from .base import AllGather, Compressor, Exchanged, TensorContext
+from .base import AllGather, Compressor, Exchanged, TensorContext, zeroed
 from .registry import register
 from .sparse import _check_int, _check_number
 
@@ -115,7 +115,7 @@ class SparseLoCo(Compressor):
         flat = e.view(-1)
         gathered = yield AllGather(self.encode(flat), same_size=True)
         n = flat.numel()
-        total = ctx.buffer("aggregate", (n,), torch.float32, x.device).zero_()
+        total = zeroed(ctx.buffer("aggregate", (n,), torch.float32, x.device))
         own = None
         for rank, fields in enumerate(gathered):  # rank order: identical float sums on every rank
             idx, values = self.decode(fields, n)
