@@ -293,9 +293,10 @@ def _minus_sent(p: torch.Tensor, result, own: bool) -> torch.Tensor:
     if result.sparse is not None and p.is_contiguous():
         idx, values = result.sparse
         out = p if own else p.clone()
-        # p + (-1) * v is p - v to the bit (IEEE subtraction is addition of the negation), and one
-        # read-modify-write at the k positions costs less than a gather and a scatter.
-        out.view(-1).index_add_(0, idx, values, alpha=-1)
+        if result.sent_exactly:  # p - p is +0: a write costs less than a read-modify-write
+            out.view(-1).index_fill_(0, idx, 0.0)
+        else:  # p + (-1) * v is p - v to the bit (IEEE subtraction adds the negation); one
+            out.view(-1).index_add_(0, idx, values, alpha=-1)  # read-modify-write beats a gather and a scatter
         return out
     if own and result.subtract_sent is not None and result.sent_pending and result.subtract_sent(p) is not None:
         return p

@@ -167,6 +167,26 @@ def test_random_positions_pairs_are_those_of_a_uniform_subset():
     assert abs(pairs - expected) < 6 * math.sqrt(expected), (pairs, expected)
 
 
+@pytest.mark.parametrize("name, params", [("randomk", {"ratio": 0.3}), ("topk", {"ratio": 0.3}),
+                                          ("randomk", {"ratio": 0.3, "value_dtype": "float16"})])
+def test_sparse_residual_is_exactly_the_input_less_what_was_sent(name, params):
+    # The residual keeps p bit for bit where nothing was sent, and p - sent where something was: +0 where
+    # the values went uncoded (-0.0 - -0.0 is +0 too), p - fp16(p) where they were rounded.
+    g = randn(300, 400, seed=7)
+    g.view(-1)[::2] = -0.0
+    state = gradzip.GradzipState(gradzip.make(name, **params), transport=LocalTransport())
+    state.exchange([("w", g)])
+    residual = state.tensors["w"]["residual"].view(-1)
+    (sent_at,) = torch.nonzero(residual.view(torch.int32) != g.view(-1).view(torch.int32), as_tuple=True)
+    p = g.view(-1)
+    if "value_dtype" in params:
+        expected = p - p.half().float()
+    else:
+        expected = torch.zeros_like(p)
+        assert sent_at.numel() > 0.25 * p.numel()  # the -0.0 among them changed sign
+    assert torch.equal(residual[sent_at].view(torch.int32), expected[sent_at].view(torch.int32))
+
+
 def test_randomk_on_a_large_tensor_sends_k_shared_positions():
     comp = gradzip.make("randomk", ratio=0.01)
     x = randn(400, 500, seed=2)

@@ -74,18 +74,23 @@ class Exchanged:
     the next step can take the integration's plain dense path at once.
     """
 
-    __slots__ = ("aggregate", "_sent", "_mask", "sparse", "sent_into", "subtract_sent", "support", "support_values",
-                 "settled_dense")
+    __slots__ = ("aggregate", "_sent", "_mask", "sparse", "sent_exactly", "sent_into", "subtract_sent", "support",
+                 "support_values", "settled_dense")
 
     def __init__(self, aggregate: torch.Tensor, sent=None, mask=None, *, sparse: Optional[tuple] = None,
                  sent_into: Optional[Callable] = None, subtract_sent: Optional[Callable] = None,
-                 support: Optional[torch.Tensor] = None, support_values: Optional[torch.Tensor] = None):
+                 support: Optional[torch.Tensor] = None, support_values: Optional[torch.Tensor] = None,
+                 sent_exactly: bool = False):
         if sent is None and sparse is None:
             raise ValueError("Exchanged needs sent or sparse")
         self.aggregate = aggregate
         self._sent = sent
         self._mask = mask
         self.sparse = sparse
+        #: True when ``sparse``'s values are the compressor's input at ``idx``, bit for bit (sent
+        #: uncoded): error feedback then zeroes those positions (x - x is +0 for every finite x; a
+        #: non-finite one makes the step non-finite, and nothing is kept) instead of subtracting.
+        self.sent_exactly = sent_exactly
         #: Optional ``sent_into(out)``: writes ``sent`` into the float32 tensor ``out`` (of the aggregate's
         #: shape), so that error feedback can subtract it without a new full-size tensor.
         self.sent_into = sent_into

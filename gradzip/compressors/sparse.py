@@ -66,7 +66,8 @@ class Sparsifier(GatheredCompressor):
             total.div_(ctx.world_size)
         # sent is zero but at this rank's own positions: error feedback touches only those.
         sent = (positions[ctx.rank], gathered[ctx.rank][0].float())
-        return Exchanged(total.view(ctx.shape), sparse=sent, support=union, support_values=means)
+        return Exchanged(total.view(ctx.shape), sparse=sent, support=union, support_values=means,
+                         sent_exactly=x.dtype == self.values_dtype(ctx) == torch.float32)
 
     def payload_bytes(self, ctx, kept=None):
         if kept is None:
@@ -336,7 +337,7 @@ class SharedSparsifier(Compressor):
         means = total.float() * (pre / ctx.world_size)
         aggregate.index_copy_(0, idx, means)
         return Exchanged(aggregate.view(ctx.shape), sparse=(idx, payload.float() * pre), support=idx,
-                         support_values=means)
+                         support_values=means, sent_exactly=x.dtype == vdtype == torch.float32 and scale == 1)
 
 
 @register
