@@ -261,7 +261,7 @@ def _not_below_abs(x: torch.Tensor, threshold: torch.Tensor, keep_nan: bool = Tr
     tops = torch.amax(rows, 0, out=scratch("tops", x.dtype, (w,)))
     lows = torch.amin(rows, 0, out=scratch("lows", x.dtype, (w,))).neg_()
     tops = torch.maximum(tops, lows, out=tops)  # NaN propagates, so its column is kept
-    # Boolean masks: nonzero over a bool tensor takes half the time it takes over a 0./1. float one.
+    # Boolean masks: a byte per element for _where to scan (a 0./1. float mask would be four).
     columns = _where(torch.lt(tops, threshold, out=scratch("columns", torch.bool, (w,))).logical_not_())
     c = columns.numel()
     picked = torch.index_select(rows, 1, columns, out=scratch("picked", x.dtype, (GROUPS, c))).abs_()
