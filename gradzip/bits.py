@@ -141,7 +141,11 @@ def select(condition: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, out: to
     if condition.device.type != "cpu":
         return torch.where(condition, a, b)
     shape = condition.shape
-    a, b = a.view(torch.int32).expand(shape), b.view(torch.int32).expand(shape)
+    a, b = a.view(torch.int32), b.view(torch.int32)
     mask = torch.neg(condition.to(torch.int32) if scratch is None else scratch.copy_(condition), out=scratch)
-    picked = torch.bitwise_xor(a, b, out=None if out is None else out.view(torch.int32))
-    return picked.bitwise_and_(mask).bitwise_xor_(b).view(torch.float32)
+    into = None if out is None else out.view(torch.int32)
+    if torch.broadcast_shapes(a.shape, b.shape) != shape:  # a ^ b once per distinct pair (1-bit SGD's columns)
+        picked = torch.bitwise_and(torch.bitwise_xor(a, b).expand(shape), mask, out=into)
+    else:
+        picked = torch.bitwise_xor(a.expand(shape), b.expand(shape), out=into).bitwise_and_(mask)
+    return picked.bitwise_xor_(b.expand(shape)).view(torch.float32)
