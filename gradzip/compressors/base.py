@@ -377,6 +377,16 @@ class GatheredCompressor(Compressor):
             total += part
         return total.div_(len(decoded))
 
+    def mean_decoded_into(self, gathered: list, ctx: TensorContext, decode_into: Callable) -> torch.Tensor:
+        """:meth:`combine`'s mean, each payload decoded in place by ``decode_into(fields, out)`` (``out``:
+        n float32 elements, returned): the first into the aggregate, the others into one scratch buffer
+        added in rank order, without a full-size tensor per rank."""
+        n, device = ctx.shape.numel(), gathered[0][0].device
+        total = decode_into(gathered[0], ctx.buffer("aggregate", (n,), torch.float32, device))
+        for fields in gathered[1:]:
+            total += decode_into(fields, workspace("decoded", n, torch.float32, device))
+        return total.div_(len(gathered)).view(ctx.shape)
+
     def decoded_mean(self, gathered: list, ctx: TensorContext) -> Optional[torch.Tensor]:
         """Optional fast path: ``combine`` of the decoded payloads in one step, with the same result; None
         (the default) decodes each payload and combines them."""

@@ -248,9 +248,7 @@ class QSGD(GatheredCompressor):
         n = ctx.shape.numel()
         if _table_decodes(packed, self._bits):
             value = torch.empty(n, device=packed.device) if out is None else out.view(-1)
-            return self._scaled(lookup_codes(packed, _signed_level_bytes(self._bits, packed.device), n, value,
-                                             workspace("codes", packed.numel(), torch.int32, packed.device)),
-                                norms).view(ctx.shape)
+            return self._table_decode(fields, value).view(ctx.shape)
         value = self._decoded_kernel([fields], ctx)
         if value is None:
             codes = unpack_bits(packed, self._bits, n)
@@ -273,19 +271,17 @@ class QSGD(GatheredCompressor):
             value[full * bs :].mul_(step[full])
         return value
 
+    def _table_decode(self, fields, out: torch.Tensor) -> torch.Tensor:
+        """Q of one payload into ``out`` (flat float32), by :func:`gradzip.bits.lookup_codes`."""
+        norms, packed = fields
+        index = workspace("codes", packed.numel(), torch.int32, packed.device)
+        table = _signed_level_bytes(self._bits, packed.device)
+        return self._scaled(lookup_codes(packed, table, out.numel(), out, index), norms)
+
     def decoded_mean(self, gathered, ctx):
-        packed = gathered[0][1]
-        if not _table_decodes(packed, self._bits):
+        if not _table_decodes(gathered[0][1], self._bits):
             return self._decoded_kernel(gathered, ctx)
-        n, device = ctx.shape.numel(), packed.device
-        table, index = _signed_level_bytes(self._bits, device), workspace("codes", packed.numel(), torch.int32, device)
-        total = ctx.buffer("aggregate", (n,), torch.float32, device)
-        for r, (norms, codes) in enumerate(gathered):  # rank order, then / N: combine's rounding
-            part = total if r == 0 else workspace("qsgd.decoded", n, torch.float32, device)
-            self._scaled(lookup_codes(codes, table, n, part, index), norms)
-            if r:
-                total += part
-        return total.div_(len(gathered)).view(ctx.shape)
+        return self.mean_decoded_into(gathered, ctx, self._table_decode)
 
     def _decoded_kernel(self, gathered, ctx):
         n = ctx.shape.numel()
@@ -488,21 +484,19 @@ class Natural(GatheredCompressor):
         return (codes.masked_fill_(nonfinite, self._NONFINITE),)
 
     def decompress(self, fields, ctx):
+        return self._table_decode(fields, torch.empty(ctx.shape.numel(), device=fields[0].device)).view(ctx.shape)
+
+    @staticmethod
+    def _table_decode(fields, out: torch.Tensor) -> torch.Tensor:
+        """The codes' values into ``out`` (flat float32): a lookup in the 256 values."""
         (codes,) = fields
-        index = workspace("codes", codes.numel(), torch.int32, codes.device).copy_(codes)
-        return torch.index_select(_natural_values(codes.device), 0, index).reshape(ctx.shape)
+        index = workspace("codes", codes.numel(), torch.int32, codes.device)
+        return lookup_codes(codes, _natural_values(codes.device).view(256, 1), out.numel(), out, index)
 
     def decoded_mean(self, gathered, ctx):
-        n, device = ctx.shape.numel(), gathered[0][0].device
+        n = ctx.shape.numel()
         if _table_decodes(gathered[0][0], 8):
-            values, index = _natural_values(device).view(256, 1), workspace("codes", n, torch.int32, device)
-            total = ctx.buffer("aggregate", (n,), torch.float32, device)
-            for r, (codes,) in enumerate(gathered):  # rank order, then / N: combine's rounding
-                part = total if r == 0 else workspace("natural.decoded", n, torch.float32, device)
-                lookup_codes(codes, values, n, part, index)
-                if r:
-                    total += part
-            return total.div_(len(gathered)).view(ctx.shape)
+            return self.mean_decoded_into(gathered, ctx, self._table_decode)
         if not kernels.enabled(n):
             return None
         mean = _natural_mean(torch.stack([f[0] for f in gathered]), world=len(gathered))
