@@ -154,7 +154,74 @@ def test_threshold_sends_strictly_above_tau_and_averages_ranks():
     for x, out in zip(xs, outs):
         assert torch.equal(out.sent, torch.where(out.mask, x, 0.0))
         torch.testing.assert_close(out.aggregate, expected)
-    assert bytes_counted_and_claimed(comp, xs[1]) == (5 * (4 + 1), 5 * (4 + 1))
+    # Rank 0's 2 (value, uint8 index) pairs take 10 bytes; rank 1's 5 would take 25, more than its 6
+    # values (24 bytes), which it sends instead: the two formats met in one sum above.
+    assert bytes_counted_and_claimed(comp, xs[0]) == (2 * (4 + 1), 2 * (4 + 1))
+    assert bytes_counted_and_claimed(comp, xs[1]) == (6 * 4, 6 * 4)
+
+
+def _with_zeros(x: torch.Tensor, every: int) -> torch.Tensor:
+    """x with -0.0 and +0.0 at alternate multiples of ``every``: signed zeros a selection may send."""
+    flat = x.clone().reshape(-1)
+    flat[::every] = 0.0
+    flat[::2 * every] = -0.0
+    return flat.view(x.shape)
+
+
+DENSE_CASES = [("threshold", {"tau": 0.05}), ("threshold", {"tau": 0.05, "value_dtype": "float16"}),
+               ("topk", {"ratio": 0.9}), ("dgc", {"ratio": 0.9, "min_numel": 1, "warmup_epochs": 0})]
+
+
+@pytest.mark.parametrize("name,params", DENSE_CASES)
+def test_a_dense_payload_gives_the_sums_and_residuals_of_the_pairs_it_replaces(name, params, monkeypatch):
+    """A sparsifier whose pairs would outweigh n values sends the values: aggregates (ranks mixing both
+    formats), residuals and momenta must be those of the pairs, bit for bit, signed zeros included."""
+    from gradzip.compressors.sparse import Sparsifier
+    # Densities 2%, 60% and 95% of 50x100 elements (2-D: DGC compresses matrices only): rank 0 sends pairs, ranks 1 and 2 values (Top-k and
+    # DGC send the same k everywhere, so there every rank switches).
+    scales = [0.02, 0.08, 1.0]
+    steps = [[_with_zeros(randn(50, 100, seed=10 * step + r) * scales[r], 7) for r in range(3)] for step in range(3)]
+
+    def run(forbid_dense):
+        if forbid_dense:
+            monkeypatch.setattr(Sparsifier, "sends_dense", lambda self, ctx, kept: False)
+        aggregates, residuals, payloads = [], [], []
+        states = [GradzipState(make(name, **params), transport=LocalTransport(), seed=0) for _ in range(3)]
+        for xs in steps:  # three simulated ranks, then each rank's error feedback on its own state
+            gens = [[feedback.exchange(state.compressor, x, state.context("w", x))] for state, x in zip(states, xs)]
+            aggregates.append([out[0].aggregate.clone() for out in simulate(gens)])
+        for x in steps[0]:  # a whole state's steps at world size 1: residual (and momentum) committed
+            state = GradzipState(make(name, **params), transport=LocalTransport(), seed=0)
+            for step in range(3):
+                aggregates.append(state.exchange([("w", x * (step + 1))]))
+                residuals.append({k: v.clone() for k, v in state.tensors["w"].items()})
+            payloads.append(state.last_report.payload_bytes)
+        monkeypatch.undo()
+        return aggregates, residuals, payloads
+
+    dense_aggregates, dense_states, dense_bytes = run(False)
+    pair_aggregates, pair_states, pair_bytes = run(True)
+    values = 5000 * (2 if "value_dtype" in params else 4)
+    assert dense_bytes[2] == values < pair_bytes[2]  # the densest rank did switch
+    for a, b in zip(dense_aggregates, pair_aggregates):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y) and torch.equal(x.signbit(), y.signbit())
+    for a, b in zip(dense_states, pair_states):
+        assert a.keys() == b.keys() and a
+        for key in a:
+            assert torch.equal(a[key], b[key]) and torch.equal(a[key].signbit(), b[key].signbit()), key
+
+
+def test_a_sparsifier_never_claims_more_bytes_than_dense():
+    ctx = ctx_for((100, 1000))  # int32 indices: 8-byte pairs against 4-byte values
+    for name in ("threshold", "dgc", "dropping"):
+        comp = make(name)
+        assert [comp.payload_bytes(ctx, kept) for kept in (0, 10, 50_000, 50_001, 100_000)] == \
+            [0, 80, 400_000, 400_000, 400_000]
+    small = ctx_for((1000,))  # int16 indices
+    assert make("threshold").payload_bytes(small, 666) == 666 * 6 and make("threshold").payload_bytes(small, 667) == 4000
+    comp = make("topk", ratio=0.6, value_dtype="float16")  # 2-byte values, 2-byte indices: dense above 500
+    assert comp.payload_bytes(small) == 2000 and comp.payload_bytes(small, 500) == 2000 == 500 * 4
 
 
 @settings(max_examples=60, deadline=None)

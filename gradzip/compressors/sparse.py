@@ -16,12 +16,17 @@ import torch
 from ..bits import index_dtype
 from .base import AllGather, AllReduce, Compressor, Exchanged, GatheredCompressor, TensorContext, check_ratio
 from .base import value_dtype as _parse_value_dtype
-from .base import workspace, zeroed
+from .base import count_true, workspace, zeroed
 from .registry import register
 
 
 class Sparsifier(GatheredCompressor):
-    """Shared machinery: subclasses only say which positions to send (:meth:`select`)."""
+    """Shared machinery: subclasses only say which positions to send (:meth:`select`).
+
+    Where the (value, index) pairs would take more bytes than the values of every element (more than
+    half the elements of an fp32 tensor with int32 indices), the payload is those n values instead,
+    zero where nothing is sent, with an empty index field: the same sum, never more bytes than dense.
+    """
 
     default_feedback = "residual"
 
@@ -34,45 +39,100 @@ class Sparsifier(GatheredCompressor):
         """Indices (int64, 1-D, unique) of the elements to send."""
         raise NotImplementedError
 
+    def select_mask(self, flat: torch.Tensor, ctx: TensorContext, out: torch.Tensor) -> Optional[torch.Tensor]:
+        """Optional: whether each element is sent, written into the bool tensor ``out`` and returned, for
+        methods that select by one comparison (the positions are then found only when they are few);
+        None (the default): :meth:`select` gives the positions."""
+        return None
+
     def values_dtype(self, ctx: TensorContext) -> torch.dtype:
         return self._vdtype or ctx.dtype
 
+    def sends_dense(self, ctx: TensorContext, kept: int) -> bool:
+        """Whether ``kept`` (value, index) pairs would take more bytes than n values."""
+        vbytes = self.values_dtype(ctx).itemsize
+        return kept * (vbytes + index_dtype(ctx.shape.numel()).itemsize) > ctx.shape.numel() * vbytes
+
+    def encode(self, flat: torch.Tensor, ctx: TensorContext) -> tuple[tuple, Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """(fields, idx, mask): the payload and the int64 positions sent, or, for a dense payload, None
+        and the mask of the positions sent."""
+        n, vdtype = flat.numel(), self.values_dtype(ctx)
+        passed = self.select_mask(flat, ctx, workspace("mask", n, torch.bool, flat.device))
+        mask = ctx.buffer("sent mask", (n,), torch.bool, flat.device)  # kept past the yield: feedback's, DGC's
+        if passed is not None and self.sends_dense(ctx, count_true(passed)):
+            mask.copy_(passed)
+        else:
+            idx = self.select(flat, ctx) if passed is None else _where(passed)
+            if not self.sends_dense(ctx, idx.numel()):
+                return (flat.index_select(0, idx).to(vdtype), idx.to(index_dtype(n))), idx, None
+            zeroed(mask).index_fill_(0, idx, True)
+        values = ctx.buffer("dense values", (n,), vdtype, flat.device)
+        zero = flat.new_zeros(())
+        if vdtype == flat.dtype:
+            torch.where(mask, flat, zero, out=values)
+        else:
+            values.copy_(torch.where(mask, flat, zero))
+        return (values, torch.empty(0, dtype=index_dtype(n), device=flat.device)), None, mask
+
     def compress(self, x, ctx):
-        flat = x.reshape(-1)
-        idx = self.select(flat, ctx)
-        return flat.index_select(0, idx).to(self.values_dtype(ctx)), idx.to(index_dtype(flat.numel()))
+        return self.encode(x.reshape(-1), ctx)[0]
+
+    @staticmethod
+    def is_dense(fields: tuple, n: int) -> bool:
+        values, idx = fields
+        return n > 0 and idx.numel() == 0 and values.numel() == n
 
     def decompress(self, fields, ctx):
         values, idx = fields
-        out = torch.zeros(ctx.shape.numel(), dtype=torch.float32, device=values.device)
-        out[idx.long()] = values.float()
+        n = ctx.shape.numel()
+        out = torch.zeros(n, dtype=torch.float32, device=values.device)
+        if self.is_dense(fields, n):
+            out += values
+        else:
+            out[idx.long()] = values.float()
         return out.view(ctx.shape)
 
     def exchange(self, x, ctx):
-        fields = self.compress(x, ctx)
+        fields, own_idx, own_mask = self.encode(x.reshape(-1), ctx)
         gathered = yield AllGather(fields, same_size=self.same_size)
         n = ctx.shape.numel()
-        total = zeroed(ctx.buffer("aggregate", (n,), torch.float32, x.device))
-        positions = [idx.long() for _, idx in gathered]
-        for (values, _), idx in zip(gathered, positions):  # rank order: identical float sums on every rank
-            total.index_add_(0, idx, values.float())
+        total = ctx.buffer("aggregate", (n,), torch.float32, x.device)
+        dense = [self.is_dense(f, n) for f in gathered]
+        positions = [None if d else idx.long() for d, (_, idx) in zip(dense, gathered)]
+        if dense[0]:  # 0 + v, not a copy of v: -0.0 sums to +0.0 as in the scatter below
+            torch.add(gathered[0][0], 0.0, out=total)
+        else:
+            zeroed(total)
+        for rank, ((values, _), idx) in enumerate(zip(gathered, positions)):  # rank order: identical sums
+            if idx is not None:
+                total.index_add_(0, idx, values.float())
+            elif rank > 0:  # +0 where nothing was sent leaves the sum as it is (it is never -0)
+                total += values
         # The mean: total / N, computed where something was sent (0 / N is 0 everywhere else).
         union = means = None  # where the aggregate can be non-zero, when that is a small part of it
-        if sum(idx.numel() for idx in positions) * 4 < n:
+        if not any(dense) and sum(idx.numel() for idx in positions) * 4 < n:
             union = torch.cat(positions) if len(positions) > 1 else positions[0]
             means = total.index_select(0, union).div_(ctx.world_size)
             total.index_copy_(0, union, means)
         else:
             total.div_(ctx.world_size)
+        exactly = x.dtype == self.values_dtype(ctx) == torch.float32
+        if own_idx is None:  # sent densely: p - sent is p - p = +0 where sent, p - (+0) = p elsewhere
+            values = fields[0]
+            sent = values.view(ctx.shape) if exactly else (lambda: values.float().view(ctx.shape))
+            return Exchanged(total.view(ctx.shape), sent, own_mask.view(ctx.shape))
         # sent is zero but at this rank's own positions: error feedback touches only those.
         sent = (positions[ctx.rank], gathered[ctx.rank][0].float())
         return Exchanged(total.view(ctx.shape), sparse=sent, support=union, support_values=means,
-                         sent_exactly=x.dtype == self.values_dtype(ctx) == torch.float32)
+                         sent_exactly=exactly)
 
     def payload_bytes(self, ctx, kept=None):
         if kept is None:
             kept = self.kept(ctx)
-        return kept * (self.values_dtype(ctx).itemsize + index_dtype(ctx.shape.numel()).itemsize)
+        vbytes = self.values_dtype(ctx).itemsize
+        if self.sends_dense(ctx, kept):
+            return ctx.shape.numel() * vbytes
+        return kept * (vbytes + index_dtype(ctx.shape.numel()).itemsize)
 
     def kept(self, ctx: TensorContext) -> int:
         raise ValueError(f"{self.name} sends a data-dependent number of elements; pass kept=")
@@ -396,8 +456,10 @@ class Threshold(Sparsifier):
         self.tau = _check_number("tau", tau, lambda t: t > 0, "a finite number > 0")
 
     def select(self, flat, ctx):
-        passed = workspace("mask", flat.numel(), torch.bool, flat.device)
-        return _where(torch.gt(magnitudes(flat), self.tau, out=passed))
+        return _where(self.select_mask(flat, ctx, workspace("mask", flat.numel(), torch.bool, flat.device)))
+
+    def select_mask(self, flat, ctx, out):
+        return torch.gt(magnitudes(flat), self.tau, out=out)
 
 
 @register
