@@ -359,14 +359,19 @@ def random_positions(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
         draws = torch.randint(n, (k - distinct.numel() + extra,), generator=gen, device=device, dtype=dtype)
         both = torch.cat([distinct, draws])
         distinct = torch.unique_consecutive(torch.from_numpy(np.sort(both.numpy())))  # numpy's: twice torch's speed
-    if distinct.numel() > k:
-        kept = torch.ones(distinct.numel(), dtype=torch.bool, device=device)
-        kept[random_positions(distinct.numel(), distinct.numel() - k, gen)] = False
-        distinct = distinct.masked_select(kept)
+    if distinct.numel() > k:  # numpy's boolean indexing: a quarter of the time of masked_select
+        kept = np.ones(distinct.numel(), dtype=bool)
+        kept[random_positions(distinct.numel(), distinct.numel() - k, gen).numpy()] = False
+        return torch.from_numpy(distinct.numpy()[kept].astype(np.int64))
     return distinct.long()
 
 
 # -- sparsifiers with positions shared by all ranks: values are allreduced ------------------------------
+
+
+def _times(a: torch.Tensor, factor: float) -> torch.Tensor:
+    """``a * factor``, or ``a`` itself for a factor of 1 (x * 1.0 is x, bit for bit)."""
+    return a if factor == 1 else a * factor
 
 
 class SharedSparsifier(Compressor):
@@ -391,12 +396,12 @@ class SharedSparsifier(Compressor):
         vdtype = self.values_dtype(ctx)
         # A 16-bit sum could overflow: divide by N before the cast, as the fp16 baseline does.
         pre = ctx.world_size if vdtype.itemsize == 2 else 1
-        payload = (flat.index_select(0, idx) * (scale / pre)).to(vdtype)
+        payload = _times(flat.index_select(0, idx), scale / pre).to(vdtype)
         total = yield AllReduce(payload)
         aggregate = zeroed(ctx.buffer("aggregate", (flat.numel(),), torch.float32, x.device))
-        means = total.float() * (pre / ctx.world_size)
+        means = _times(total.float(), pre / ctx.world_size)
         aggregate.index_copy_(0, idx, means)
-        return Exchanged(aggregate.view(ctx.shape), sparse=(idx, payload.float() * pre), support=idx,
+        return Exchanged(aggregate.view(ctx.shape), sparse=(idx, _times(payload.float(), pre)), support=idx,
                          support_values=means, sent_exactly=x.dtype == vdtype == torch.float32 and scale == 1)
 
 
