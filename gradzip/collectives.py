@@ -289,6 +289,9 @@ def run_lockstep(gens: Sequence[Generator], transport: Transport, nonfinite_loca
                  buffers: Optional[dict] = None):
     """Run exchange generators to completion in lockstep; returns (their return values, report).
 
+    ``nonfinite_local``: whether this rank's input holds NaN or Inf, or a callable that says so once
+    every generator ran up to its first collective (which carries the flag to every rank).
+
     ``buffers``: a dict in which to keep the fused collectives' buffers for the next exchange of the
     same tensors (the caller copies the results out before then); None allocates fresh ones.
     """
@@ -297,9 +300,13 @@ def run_lockstep(gens: Sequence[Generator], transport: Transport, nonfinite_loca
     pending = dict(enumerate(gens))
     inbox: dict[int, object] = {i: None for i in pending}
     outputs: list = [None] * len(gens)
-    flag = torch.tensor([1.0 if nonfinite_local else 0.0])
+
+    def local_flag() -> torch.Tensor:
+        report.nonfinite = bool(nonfinite_local() if callable(nonfinite_local) else nonfinite_local)
+        return torch.tensor([1.0 if report.nonfinite else 0.0])
+
+    flag = None if pending else local_flag()
     flag_known = False
-    report.nonfinite = nonfinite_local
     while pending:
         requests = {}
         for i, gen in list(pending.items()):
@@ -311,6 +318,8 @@ def run_lockstep(gens: Sequence[Generator], transport: Transport, nonfinite_loca
                 report.decompress_s += time.perf_counter() - start
                 outputs[i] = stop.value
                 del pending[i]
+        if flag is None:
+            flag = local_flag()
         if not requests:
             break
         results, flag_out = phase.run(requests, None if flag_known else flag)

@@ -193,13 +193,16 @@ class GradzipState:
         if reuse:
             for ctx, target in zip(contexts, _lendable(out, grads)):
                 ctx.out = target
-        nonfinite = _any_nonfinite(grads)
+        for g, ctx in zip(grads, contexts):  # feedback checks g + e as it computes it, where it can
+            ctx.check_input = _feedback.checks_input(self.compressor, g, ctx)
+        nonfinite = _any_nonfinite([g for g, ctx in zip(grads, contexts) if not ctx.check_input])
         if nonfinite:
             # Keep the protocol identical on every rank: compress zeros, discard the result below.
             grads = [torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0) for g in grads]
         gens = [_feedback.exchange(self.compressor, g, ctx) for g, ctx in zip(grads, contexts)]
         fused = self._fused.setdefault(tuple(keys), {}) if reuse else None
-        results, report = run_lockstep(gens, self.transport, nonfinite, buffers=fused)
+        results, report = run_lockstep(gens, self.transport,
+                                       lambda: nonfinite or any(ctx.input_nonfinite for ctx in contexts), buffers=fused)
         outputs = out
         if not report.nonfinite:
             if out is None:

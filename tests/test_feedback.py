@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from gradzip import make
+from gradzip import feedback, make
+from gradzip.collectives import LocalTransport
 from gradzip.feedback import MomentumCorrection, NoFeedback, Residual, make_feedback, scheme_of
 from gradzip.state import GradzipState
 
@@ -133,3 +134,34 @@ def test_the_callers_output_holds_the_aggregate_only_where_that_is_safe():
     # step 0: the gradient is the compressor's input (no residual yet); then in place; at step 2 not
     # in b's gradient, but in the separate output
     assert built_in_out == [False, False, True, True, False, True]
+
+
+def test_the_input_check_fused_with_g_plus_e_flags_exactly_the_non_finite_sums(monkeypatch):
+    """Error feedback checks g + e in cached chunks instead of the owner reading g again.  A chunk whose
+    finite elements sum past fp32's range is checked element by element, not flagged; g + e overflowing
+    is flagged (it would be by the output check otherwise).  Same aggregates and states as the owner's
+    own check, bit for bit."""
+    n = (600, 500)  # two chunks of the fused check, the second partial
+    steps = [torch.randn(n, generator=torch.Generator().manual_seed(0)),
+             torch.full(n, 1e38),  # finite, but every chunk's sum overflows
+             torch.full(n, 3e38),  # finite, but g + e overflows where the residual holds ~1e38
+             torch.randn(n, generator=torch.Generator().manual_seed(1))]
+    calls = []
+    checked_add = feedback._checked_add
+    monkeypatch.setattr(feedback, "_checked_add", lambda *a: calls.append(1) or checked_add(*a))
+
+    def run():
+        state = GradzipState("topk", transport=LocalTransport())
+        outs = [state.exchange([("w", g.clone())])[0] for g in steps]
+        return outs, state.tensors["w"]["residual"], state.stats()["nonfinite_exchanges"]
+
+    fused = run()
+    assert len(calls) == 3  # every step with a residual
+    monkeypatch.setattr(feedback, "_CHECK_CHUNK", 1 << 30)  # no tensor is large enough: the owner checks
+    unfused = run()
+    assert len(calls) == 3
+    assert fused[2] == unfused[2] == 1
+    assert torch.isfinite(fused[0][1]).all() and torch.isnan(fused[0][2]).all()
+    for a, b in zip(fused[0], unfused[0]):
+        assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+    assert torch.equal(fused[1], unfused[1]) and torch.isfinite(fused[1]).all()

@@ -183,6 +183,11 @@ class TensorContext:
     #: None.  The owner lends only memory that no other input of the exchange uses, and the feedback
     #: withdraws it when it overlaps the compressor's input.
     out: Optional[torch.Tensor] = None
+    #: Set by the owner where error feedback checks its compensated input for NaN and Inf while
+    #: computing it (:func:`gradzip.feedback.checks_input`) instead of the owner reading the gradient
+    #: once more; feedback then sets ``input_nonfinite`` before the first collective.
+    check_input: bool = False
+    input_nonfinite: bool = False
 
     def get(self, name: str, default: Any = None) -> Any:
         return self.updates.get(name, self.state.get(name, default))
