@@ -195,7 +195,9 @@ class GradzipState:
                 ctx.out = target
         for g, ctx in zip(grads, contexts):  # feedback checks g + e as it computes it, where it can
             ctx.check_input = _feedback.checks_input(self.compressor, g, ctx)
-        nonfinite = _any_nonfinite([g for g, ctx in zip(grads, contexts) if not ctx.check_input])
+        # A dense method carries any NaN or Inf into the aggregate, which is checked below anyway.
+        carried = self.compressor.carries_nonfinite
+        nonfinite = not carried and _any_nonfinite([g for g, ctx in zip(grads, contexts) if not ctx.check_input])
         if nonfinite:
             # Keep the protocol identical on every rank: compress zeros, discard the result below.
             grads = [torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0) for g in grads]

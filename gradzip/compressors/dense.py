@@ -27,6 +27,7 @@ class NoCompression(SummableCompressor):
     """
 
     name = "none"
+    carries_nonfinite = True
 
     def __init__(self, feedback: str | None = None):
         super().__init__(feedback)
@@ -54,6 +55,7 @@ class NoCompression(SummableCompressor):
 class _HalfCast(SummableCompressor):
     # Divide by N before the cast, as PyTorch's fp16 hook does, so the sum cannot overflow fp16.
     half_dtype: torch.dtype
+    carries_nonfinite = True  # a cast keeps NaN and Inf (and makes values above the half range Inf)
 
     def __init__(self, feedback: str | None = None):
         super().__init__(feedback)
