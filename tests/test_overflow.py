@@ -97,19 +97,20 @@ def test_a_sparse_sum_that_overflows_is_caught_where_it_was_sent():
 def _fused_check_worker(rank, world):
     """A NaN on one rank only, in a tensor large enough that error feedback checks g + e itself."""
     out = {}
-    for name in ("topk", "randomk", "efsignsgd", "powersgd"):
+    for name in ("topk", "randomk", "efsignsgd", "powersgd", "none", "fp16"):  # the last two: no input check
         state = gradzip.GradzipState(name, **params_for(name))
         gen = torch.Generator().manual_seed(rank)
         step = lambda: [("big", torch.randn(600, 500, generator=gen)), ("small", torch.randn(40, generator=gen))]
         for _ in range(3):
             state.exchange(step())
-        saved = {k: v.clone() for k, v in state.tensors["big"].items()}
+        saved = {k: v.clone() for k, v in state.tensors.get("big", {}).items()}
         bad = step()
         if rank == 1:
             bad[0][1].view(-1)[299_000] = float("nan")
         aggregates = state.exchange(bad)
         out[name] = {"nan": all(a.isnan().all() for a in aggregates), "nonfinite": state.stats()["nonfinite_exchanges"],
-                     "kept": all(torch.equal(v, state.tensors["big"][k]) for k, v in saved.items()) and bool(saved),
+                     "kept": all(torch.equal(v, state.tensors["big"][k]) for k, v in saved.items()),
+                     "stateful": bool(saved),
                      "next": state.exchange(step())[0].clone()}
         state.close()
     return out
@@ -120,6 +121,7 @@ def test_a_nan_found_by_error_feedback_on_one_rank_skips_the_step_on_every_rank(
     for name in ranks[0]:
         for rank in ranks:
             assert rank[name]["nan"] and rank[name]["kept"] and rank[name]["nonfinite"] == 1, name
+            assert rank[name]["stateful"] == (name not in ("none", "fp16")), name
         assert torch.isfinite(ranks[0][name]["next"]).all() and torch.equal(ranks[0][name]["next"], ranks[1][name]["next"])
 
 
