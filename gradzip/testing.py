@@ -272,19 +272,24 @@ def check_nonfinite(factory, c):
                 _fail(c, "non-finite input", f"state {n!r} of tensor {key!r} changed on a NaN step")
     if state.stats()["nonfinite_exchanges"] != 1:
         _fail(c, "non-finite input", "the NaN step was not counted in stats()['nonfinite_exchanges']")
-    # A large tensor after warm steps: error feedback checks g + e itself while computing it, in chunks.
-    big = GradzipState(_fresh(factory))
-    for step in range(2):
-        big.exchange([("big", grads((600, 500), torch.float32, step))])
-    saved = big.state_dict()
-    for where, value in ((7, float("inf")), (299_990, float("nan")), (262_150, float("-inf"))):
-        g = grads((600, 500), torch.float32, 5)
-        g.view(-1)[where] = value
-        out = big.exchange([("big", g)])[0]
-        if not torch.isnan(out).all():
-            _fail(c, "non-finite input", f"{value} at element {where} of a 600x500 tensor left its output not all NaN")
-        if any(not torch.equal(big.tensors["big"][n], v) for n, v in saved["tensors"].get("big", {}).items()):
-            _fail(c, "non-finite input", f"{value} at element {where} of a 600x500 tensor changed its state")
+    # A large tensor after warm steps, exchanged plainly and into itself (as DDP's bucket): error
+    # feedback checks g + e as it computes it, and an aggregate copied out is checked as it is copied.
+    for into in (False, True):
+        big = GradzipState(_fresh(factory))
+        for step in range(2):
+            g = grads((600, 500), torch.float32, step)
+            big.exchange([("big", g)], out=[g] if into else None)
+        saved = big.state_dict()
+        for where, value in ((7, float("inf")), (299_990, float("nan")), (262_150, float("-inf"))):
+            g = grads((600, 500), torch.float32, 5)
+            g.view(-1)[where] = value
+            out = big.exchange([("big", g)], out=[g] if into else None)[0]
+            how = "exchanged into itself" if into else "exchanged"
+            if not torch.isnan(out).all():
+                _fail(c, "non-finite input", f"{value} at element {where} of a 600x500 tensor {how} left its output "
+                      "not all NaN")
+            if any(not torch.equal(big.tensors["big"][n], v) for n, v in saved["tensors"].get("big", {}).items()):
+                _fail(c, "non-finite input", f"{value} at element {where} of a 600x500 tensor {how} changed its state")
 
 
 @_guarded("state_dict resume")

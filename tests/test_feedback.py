@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from gradzip import feedback, make
+from gradzip import feedback, kernels, make
 from gradzip.collectives import LocalTransport
 from gradzip.feedback import MomentumCorrection, NoFeedback, Residual, make_feedback, scheme_of
 from gradzip.state import GradzipState
@@ -157,7 +157,7 @@ def test_the_input_check_fused_with_g_plus_e_flags_exactly_the_non_finite_sums(m
 
     fused = run()
     assert len(calls) == 3  # every step with a residual
-    monkeypatch.setattr(feedback, "_CHECK_CHUNK", 1 << 30)  # no tensor is large enough: the owner checks
+    monkeypatch.setattr(kernels, "CHECK_CHUNK", 1 << 30)  # no tensor is large enough: the owner checks
     unfused = run()
     assert len(calls) == 3
     assert fused[2] == unfused[2] == 1
@@ -165,3 +165,17 @@ def test_the_input_check_fused_with_g_plus_e_flags_exactly_the_non_finite_sums(m
     for a, b in zip(fused[0], unfused[0]):
         assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
     assert torch.equal(fused[1], unfused[1]) and torch.isfinite(fused[1]).all()
+
+
+def test_an_aggregate_checked_as_it_is_copied_may_sum_past_the_float_range():
+    """A large dense aggregate copied into ``out`` is checked chunk by chunk as it is copied: finite
+    values whose chunk sums overflow fp32 are checked element by element, not flagged."""
+    state = GradzipState("none", transport=LocalTransport())
+    g = torch.full((600, 500), 1e38)
+    g[3, 4] = -3e38
+    out = torch.empty_like(g)
+    assert state.exchange([("w", g)], out=[out])[0] is out
+    assert torch.equal(out, g) and state.stats()["nonfinite_exchanges"] == 0
+    g[599, 499] = float("inf")  # in the last, partial chunk
+    state.exchange([("w", g)], out=[out])
+    assert out.isnan().all() and state.stats()["nonfinite_exchanges"] == 1
