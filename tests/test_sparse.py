@@ -528,6 +528,16 @@ def test_dgc_compresses_matrices_from_min_numel():
 # -- CSC --------------------------------------------------------------------------------------------------
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from([0.0, -0.0, 1.0, 2.0, 2.5, 3.0, float("inf"), float("nan")]), min_size=1, max_size=60),
+       st.integers(1, 60), st.booleans())
+def test_largest_first_is_the_head_of_a_stable_descending_sort(values, k, continuous):
+    from gradzip.compressors.sparse import largest_first
+    a = torch.tensor(values) + (torch.rand(len(values), generator=torch.Generator().manual_seed(k)) if continuous else 0)
+    expected = torch.sort(a, descending=True, stable=True).indices[:k].sort().values
+    assert torch.equal(largest_first(a, k), expected)
+
+
 def _csc_reference(xs, ratio, chunk):
     n = xs[0].numel()
     nchunks = -(-n // chunk)

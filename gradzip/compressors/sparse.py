@@ -163,6 +163,19 @@ class TopK(Sparsifier):
 # -- parameter checks and selection helpers ---------------------------------------------------------------
 
 
+def largest_first(a: torch.Tensor, k: int) -> torch.Tensor:
+    """Ascending positions of the 1-D ``a``'s k largest values, ties going to the lower position: the
+    first k of a stable descending sort, without sorting all of ``a`` (CSC's 98K chunk norms of 25M
+    elements: 1 ms against 10).  Everything above the k-th largest value is in; of the values equal
+    to it, the first ones by position fill up to k."""
+    if k >= a.numel() or bool(torch.isnan(a).any()):  # NaN's place in the order: the sort's
+        return torch.sort(a, descending=True, stable=True).indices[:k].sort().values
+    kth = torch.topk(a, k, sorted=False).values.min()
+    above = _where(a > kth)
+    tied = _where(a == kth)[: k - above.numel()]
+    return torch.cat([above, tied]).sort().values
+
+
 def _check_number(name: str, value, ok, allowed: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
@@ -641,8 +654,7 @@ class CSC(SharedSparsifier):
         norms = yield AllReduce(self.chunk_norms(flat, nchunks))
         # Every rank holds the same summed norms, and the stable sort breaks ties by chunk id, so all
         # ranks pick the same chunks in the same (ascending) order.
-        kc = math.ceil(self.ratio * nchunks)
-        top = torch.sort(norms, descending=True, stable=True).indices[:kc].sort().values
+        top = largest_first(norms, math.ceil(self.ratio * nchunks))
         idx = (top.unsqueeze(1) * c + torch.arange(c, device=x.device)).reshape(-1)
         return (yield from self.reduce_at(flat, idx[idx < n], ctx))
 
