@@ -583,6 +583,14 @@ def test_csc_matches_reference(n, chunk, ratio, seed):
         torch.testing.assert_close(out.aggregate, torch.where(mask, (xs[0] + xs[1]) / 2, 0.0))
 
 
+@pytest.mark.parametrize("chunk", [1, 7, 256, 5000, 9000])
+def test_csc_chunk_norms_in_blocks_are_those_of_the_padded_matrix(chunk):
+    x = randn(600_001, seed=chunk)  # several blocks of rows, and a padded last chunk
+    nchunks = -(-x.numel() // chunk)
+    padded = torch.cat([x, x.new_zeros(nchunks * chunk - x.numel())]).view(nchunks, chunk)
+    assert torch.equal(make("csc", chunk_size=chunk).chunk_norms(x, nchunks), padded.abs().sum(dim=1))
+
+
 def test_csc_requests_are_two_allreduces_and_ties_pick_lowest_chunk_ids():
     comp = make("csc", ratio=0.25, chunk_size=64)
     x = torch.zeros(512)

@@ -260,6 +260,9 @@ def magnitudes(flat: torch.Tensor) -> torch.Tensor:
     return torch.abs(flat, out=workspace("abs", flat.numel(), flat.dtype, flat.device))
 
 
+#: Elements of |x| that CSC's chunk norms write and sum at a time (1 MB of fp32: cached in between).
+_NORM_BLOCK = 1 << 18
+
 #: Rows up to this length are reduced by one serial loop each (torch's parallel grain is 32768).
 _SERIAL_ROW = 8192
 
@@ -666,7 +669,14 @@ class CSC(SharedSparsifier):
             return torch.cat([flat, flat.new_zeros(nchunks * c - n)]).view(nchunks, c).abs().sum(dim=1)
         # Only the last chunk is padded (copying the whole tensor to pad it would cost a pass); each row
         # is summed by the same serial loop, so the norms are those of the padded matrix, bit for bit.
-        norms = magnitudes(flat[: full * c]).view(full, c).sum(dim=1)
+        # |x| is written a block of rows at a time and summed while the block is in the cache.
+        rows = max(1, _NORM_BLOCK // c)
+        body = flat[: full * c].view(full, c)
+        scratch = workspace("abs", min(rows, full) * c, flat.dtype, flat.device).view(-1, c)
+        norms = torch.empty(full, dtype=flat.dtype, device=flat.device)
+        for start in range(0, full, rows):
+            block = torch.abs(body[start : start + rows], out=scratch[: min(rows, full - start)])
+            torch.sum(block, dim=1, out=norms[start : start + rows])
         if full < nchunks:
             last = flat.new_zeros(1, c)
             last[0, : n - full * c] = flat[full * c :]
