@@ -44,11 +44,19 @@ def _any_nonfinite(grads: Sequence[torch.Tensor]) -> bool:
     return bool(ends) and not bool(torch.isfinite(torch.stack(ends)).all())
 
 
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
 def _may_be_nonfinite(output: torch.Tensor, result) -> torch.Tensor:
     """The part of ``output`` that can hold a non-finite value: a sparsifier's aggregate is zero outside
     its ``support``, and so is the output there (a copy or cast of it), so only the support is read:
     the values the sparsifier wrote there, where the output is the aggregate or an exact copy of it
-    (a cast to a narrower type can overflow, so that output is read itself)."""
+    (a cast to a narrower type can overflow, so that output is read itself).  Where the method's
+    ``bound`` on |aggregate| shows it finite, only the bound is read."""
+    bound = result.bound
+    if (bound is not None and output.dtype == result.aggregate.dtype == torch.float32 and output.device.type == "cpu"
+            and float(bound) < _FLOAT32_MAX / 2):  # half: room for the rounding of r products summed
+        return bound
     if result.support is None or not output.is_contiguous():
         return output
     if result.support_values is not None and output.dtype == result.aggregate.dtype:

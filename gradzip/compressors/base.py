@@ -76,12 +76,12 @@ class Exchanged:
     """
 
     __slots__ = ("aggregate", "_sent", "_mask", "sparse", "sent_exactly", "sent_into", "subtract_sent", "support",
-                 "support_values", "settled_dense")
+                 "support_values", "bound", "settled_dense")
 
     def __init__(self, aggregate: torch.Tensor, sent=None, mask=None, *, sparse: Optional[tuple] = None,
                  sent_into: Optional[Callable] = None, subtract_sent: Optional[Callable] = None,
                  support: Optional[torch.Tensor] = None, support_values: Optional[torch.Tensor] = None,
-                 sent_exactly: bool = False):
+                 sent_exactly: bool = False, bound: Optional[torch.Tensor] = None):
         if sent is None and sparse is None:
             raise ValueError("Exchanged needs sent or sparse")
         self.aggregate = aggregate
@@ -105,6 +105,10 @@ class Exchanged:
         #: Optional float32 values the aggregate holds at ``support``, the very ones written there: the
         #: check reads these instead of gathering them again from scattered positions.
         self.support_values = support_values
+        #: Optional 0-d tensor: a bound on every |aggregate| element in exact arithmetic, computed from the
+        #: few numbers the aggregate is built from (PowerSGD's factors).  Where it is finite and below half
+        #: the largest float32, the aggregate is finite, and the check reads the bound instead of it.
+        self.bound = bound
         self.settled_dense = False
 
     @property

@@ -151,7 +151,9 @@ class PowerSGD(Compressor):
         def subtract_sent(p):  # p is x: M - P Q_i^T in place, without writing P Q_i^T first
             return None if minus_outer(p.view(n, m), P, Qt_local) is None else p
 
-        return Exchanged(aggregate, sent, sent_into=sent, subtract_sent=subtract_sent)
+        # |(P Qbar^T)_ij| = |sum over r of P_ik Qbar_jk| <= r max|P| max|Qbar|
+        bound = r * P.abs().max() * Qbar_t.abs().max() if P.numel() else None
+        return Exchanged(aggregate, sent, sent_into=sent, subtract_sent=subtract_sent, bound=bound)
 
     def payload_bytes(self, ctx, kept=None):
         if not self.compresses(ctx):  # sent densely by feedback.py, in the gradient's dtype
