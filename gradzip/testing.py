@@ -226,13 +226,14 @@ def check_ranks_agree(factory, c, world=2, steps=(0, 50)):
     for step in steps:
         gens = []
         for rank in range(world):
-            x = grads((24, 40), torch.float32, rank)
+            x = grads((24, 40), torch.float32, rank) * (1000.0 if step else 1.0)  # and scales above 1
             ctx = TensorContext("w", x.shape, x.dtype, step=step, rank=rank, world_size=world)
             gens.append([feedback.exchange(c, x, ctx)])
         results = [rank_outs[0] for rank_outs in simulate(gens)]
         outs = [r.aggregate for r in results]
         for r in results:  # a bound that lets the finiteness check skip the aggregate must hold
-            if r.bound is not None and r.aggregate.numel() and not float(r.bound) >= float(r.aggregate.abs().max()):
+            # (2^-20: room for the rounding of a scale times a level, or of a few products summed)
+            if r.bound is not None and r.aggregate.numel() and not float(r.bound) * (1 + 2**-20) >= float(r.aggregate.abs().max()):
                 _fail(c, "ranks agree", f"world {world}, step {step}: the aggregate's bound {float(r.bound):.6g} is "
                       f"below its largest magnitude {float(r.aggregate.abs().max()):.6g}")
         if tuple(outs[0].shape) != (24, 40):

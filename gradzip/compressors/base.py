@@ -405,6 +405,10 @@ class GatheredCompressor(Compressor):
         (the default) decodes each payload and combines them."""
         return None
 
+    def aggregate_bound(self, gathered: list, ctx: TensorContext) -> Optional[torch.Tensor]:
+        """Optional: :attr:`Exchanged.bound` from the gathered payloads (their scales); None (the default)."""
+        return None
+
     def subtract_sent(self, fields: tuple, ctx: TensorContext) -> Optional[Callable]:
         """Optional fast path: :attr:`Exchanged.subtract_sent` for the input that ``fields`` encode, which
         computes p - D(fields) from p itself; None (the default): feedback decodes and subtracts."""
@@ -417,9 +421,9 @@ class GatheredCompressor(Compressor):
         if aggregate is not None:  # this rank's own payload is decoded only if feedback asks for it
             into = (lambda out: self.decompress(fields, ctx, out)) if self.decodes_into else None
             return Exchanged(aggregate, lambda: self.decompress(fields, ctx), sent_into=into,
-                             subtract_sent=self.subtract_sent(fields, ctx))
+                             subtract_sent=self.subtract_sent(fields, ctx), bound=self.aggregate_bound(gathered, ctx))
         decoded = [self.decompress(f, ctx) for f in gathered]
-        return Exchanged(self.combine(decoded, ctx), decoded[ctx.rank])
+        return Exchanged(self.combine(decoded, ctx), decoded[ctx.rank], bound=self.aggregate_bound(gathered, ctx))
 
 
 

@@ -283,6 +283,13 @@ class QSGD(GatheredCompressor):
             return self._decoded_kernel(gathered, ctx)
         return self.mean_decoded_into(gathered, ctx, self._table_decode)
 
+    def aggregate_bound(self, gathered, ctx):
+        # |Q_i| = (||v|| / s) xi with xi <= s: at most the bucket's norm; the sum over ranks, and so the
+        # mean, at most the sum of each rank's largest norm
+        if not gathered[0][0].numel():
+            return None
+        return torch.stack([fields[0].float().abs().max() for fields in gathered]).sum()
+
     def _decoded_kernel(self, gathered, ctx):
         n = ctx.shape.numel()
         if 8 % self._bits or not kernels.enabled(n):
@@ -387,7 +394,9 @@ class TernGrad(Compressor):
         gathered = yield AllGather((packed,), same_size=True)
         aggregate = _ternary_mean([f[0] for f in gathered], s, n,  # rank order: the same floats everywhere
                                   ctx.buffer("aggregate", (n,), torch.float32, g.device))
-        return Exchanged(aggregate.reshape(ctx.shape), lambda: _ternary_mean([packed], s, n).reshape(ctx.shape))
+        # N trits in {-1, 0, 1} summed, times s: |sum| <= N s, and the mean is at most that
+        return Exchanged(aggregate.reshape(ctx.shape), lambda: _ternary_mean([packed], s, n).reshape(ctx.shape),
+                         bound=s.abs().reshape(()) * len(gathered))
 
     @staticmethod
     def _codes(g: torch.Tensor, s: torch.Tensor, ctx: TensorContext) -> torch.Tensor:

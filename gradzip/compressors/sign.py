@@ -311,8 +311,10 @@ class _SignVote(GatheredCompressor):
                 scale += fields_r[0]
             vote.mul_(scale.div_(len(gathered)).reshape(()))
         own = gathered[ctx.rank]
+        # Votes are -1, 0 or +1: |s V| <= |s|
+        bound = scale.abs().reshape(()) if self.scaled else torch.ones(())
         return Exchanged(vote, lambda: self.decompress(own, ctx),
-                         sent_into=lambda out: self.decompress(own, ctx, out.view(-1)))
+                         sent_into=lambda out: self.decompress(own, ctx, out.view(-1)), bound=bound)
 
     def payload_bytes(self, ctx, kept=None):
         n = ctx.shape.numel()
@@ -430,6 +432,10 @@ class EFSignSGD(GatheredCompressor):
             return None
         scale = fields[0].reshape(())
         return lambda p: None if _minus_scaled_signs(p.view(-1), scale) is None else p
+
+    def aggregate_bound(self, gathered, ctx):
+        # Every rank sends +-scale_r: the sum, and so the mean, is at most sum_r |scale_r|
+        return torch.stack([fields[0].reshape(()).abs() for fields in gathered]).sum()
 
     def decoded_mean(self, gathered, ctx):
         # combine()'s sum in rank order, each rank decoded into reused memory: the same floats.
