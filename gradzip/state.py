@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from . import feedback as _feedback
 from . import kernels
+from .kernels import any_nonfinite as _any_nonfinite
 from .collectives import Transport, run_lockstep, transport_for
 from .compressors import make
 from .compressors.base import SPARE, Compressor, TensorContext
@@ -32,16 +33,6 @@ __all__ = ["GradzipState"]
 _COUNTERS = ("exchanges", "payload_bytes", "wire_bytes", "dense_bytes", "elements", "elements_sent",
              "collectives", "compress_s", "communicate_s", "decompress_s", "nonfinite_exchanges",
              "plain_allreduces")
-
-
-def _any_nonfinite(grads: Sequence[torch.Tensor]) -> bool:
-    """Whether any element is NaN or Inf, in one read of each tensor and one host sync for all of them.
-
-    min and max propagate NaN, and an Inf is the min or the max, so both ends are finite exactly when
-    every element is (``isfinite(g).all()`` writes a mask of n bytes and reads it again).
-    """
-    ends = [end.float() for g in grads if g.numel() for end in torch.aminmax(g.detach())]
-    return bool(ends) and not bool(torch.isfinite(torch.stack(ends)).all())
 
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max

@@ -58,14 +58,14 @@ class Sparsifier(GatheredCompressor):
         and the mask of the positions sent."""
         n, vdtype = flat.numel(), self.values_dtype(ctx)
         passed = self.select_mask(flat, ctx, workspace("mask", n, torch.bool, flat.device))
-        mask = ctx.buffer("sent mask", (n,), torch.bool, flat.device)  # kept past the yield: feedback's, DGC's
+        # A dense payload's mask outlives the yield (feedback's kept count, DGC's momentum masking).
         if passed is not None and self.sends_dense(ctx, count_true(passed)):
-            mask.copy_(passed)
+            mask = ctx.buffer("sent mask", (n,), torch.bool, flat.device).copy_(passed)
         else:
             idx = self.select(flat, ctx) if passed is None else _where(passed)
             if not self.sends_dense(ctx, idx.numel()):
                 return (flat.index_select(0, idx).to(vdtype), idx.to(index_dtype(n))), idx, None
-            zeroed(mask).index_fill_(0, idx, True)
+            mask = zeroed(ctx.buffer("sent mask", (n,), torch.bool, flat.device)).index_fill_(0, idx, True)
         values = ctx.buffer("dense values", (n,), vdtype, flat.device)
         zero = flat.new_zeros(())
         if vdtype == flat.dtype:
