@@ -15,7 +15,7 @@ import torch
 
 from gradzip import feedback, kernels
 from gradzip.collectives import simulate
-from gradzip.compressors import make, quantize, sign
+from gradzip.compressors import make, quantize, sign, sparse
 from gradzip.compressors.base import TensorContext
 
 SHAPE = (256, 257)  # 65,792 elements: just above the lowered threshold
@@ -247,6 +247,33 @@ def test_dgc_momentum_correction_fused_equals_the_reference(nesterov, world, mon
                         for out, c in zip(outs, ctxs)])
         assert len(used) == world
     assert_same_bits(*results)
+
+
+@pytest.mark.parametrize("case", ["plain", "nan", "inf", "ties", "tail"])
+def test_column_maxima_kernel_gives_the_reference_selections(case, monkeypatch, calls):
+    # Top-k's and DGC's column search takes the largest |x| of each column from one kernel: the same
+    # candidates, so the same positions in the same order as the reference's amax and amin.
+    n = 8 * 9001 + 5  # just above the lowered threshold; a tail the columns leave out
+    x = torch.randn(n, generator=torch.Generator().manual_seed(11)) * 0.01
+    x[:2] = torch.tensor([-0.0, 0.0])
+    if case == "nan":  # off the strided sample (every third element from 0), which would make t NaN
+        x[[5, 3001, 40_000]] = float("nan")
+    if case == "inf":
+        x[7] = float("-inf")
+        x[8 * 9001 // 2] = float("inf")
+    if case == "ties":
+        x = (x * 100).round() / 100
+    if case == "tail":
+        x[-2] = -1.0
+    threshold = torch.topk(x.abs().nan_to_num(0.0), n // 50).values.min()
+    results = []
+    for fused in (True, False):
+        monkeypatch.setenv("GRADZIP_FUSED", "1" if fused else "0")
+        before = calls["n"]
+        results.append((sparse.top_k_abs(x, n // 100), sparse._at_least_abs(x, threshold, expected=n // 100)))
+        assert (calls["n"] - before == 2) == fused and kernels._failure is None
+    for got, expected in zip(*results):
+        assert torch.equal(got, expected)
 
 
 @pytest.mark.parametrize("name", ["qsgd", "terngrad", "natural"])

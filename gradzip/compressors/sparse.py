@@ -13,6 +13,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from .. import kernels
 from ..bits import index_dtype
 from .base import AllGather, AllReduce, Compressor, Exchanged, GatheredCompressor, TensorContext, check_ratio
 from .base import value_dtype as _parse_value_dtype
@@ -99,14 +100,16 @@ class Sparsifier(GatheredCompressor):
         total = ctx.buffer("aggregate", (n,), torch.float32, x.device)
         dense = [self.is_dense(f, n) for f in gathered]
         positions = [None if d else idx.long() for d, (_, idx) in zip(dense, gathered)]
-        if dense[0]:  # 0 + v, not a copy of v: -0.0 sums to +0.0 as in the scatter below
+        # Rank 0's part is 0 + v, not a copy of v: -0.0 sums to +0.0, as in the scatter-adds after it.
+        if dense[0]:
             torch.add(gathered[0][0], 0.0, out=total)
-        else:
-            zeroed(total)
-        for rank, ((values, _), idx) in enumerate(zip(gathered, positions)):  # rank order: identical sums
+        else:  # a rank's positions are distinct, so its scatter-add into zeros is a copy of 0 + v
+            zeroed(total).index_copy_(0, positions[0], torch.add(gathered[0][0].float(), 0.0))
+        for rank in range(1, len(gathered)):  # rank order: identical sums on every rank
+            values, idx = gathered[rank][0], positions[rank]
             if idx is not None:
                 total.index_add_(0, idx, values.float())
-            elif rank > 0:  # +0 where nothing was sent leaves the sum as it is (it is never -0)
+            else:  # +0 where nothing was sent leaves the sum as it is (it is never -0)
                 total += values
         # The mean: total / N, computed where something was sent (0 / N is 0 everywhere else).
         union = means = None  # where the aggregate can be non-zero, when that is a small part of it
@@ -311,10 +314,10 @@ def top_k_abs(x: torch.Tensor, k: int) -> torch.Tensor:
     if n < 2 or x.numel() < _PREFILTER_MIN or x.device.type != "cpu" or 8 * k > x.numel():
         return top_k(magnitudes(x), k)
     threshold = _sampled_threshold(x[::n].abs(), k, x.numel())
-    candidates = _not_below_abs(x, threshold)
+    candidates, found = _not_below_abs(x, threshold, with_magnitudes=True)
     if candidates.numel() < k:
         return torch.topk(magnitudes(x), k, sorted=False).indices
-    return candidates[torch.topk(x.index_select(0, candidates).abs_(), k, sorted=False).indices]
+    return candidates[torch.topk(found, k, sorted=False).indices]
 
 
 def _sampled_threshold(sample: torch.Tensor, k: int, n: int) -> torch.Tensor:
@@ -325,18 +328,29 @@ def _sampled_threshold(sample: torch.Tensor, k: int, n: int) -> torch.Tensor:
     return _kth_largest(sample, min(sample.numel(), math.ceil(1.2 * share + 3 * math.sqrt(share) + 1)))
 
 
-def _not_below_abs(x: torch.Tensor, threshold: torch.Tensor, keep_nan: bool = True) -> torch.Tensor:
+@kernels.fused
+def _column_max_abs(rows, out):
+    return out.copy_(rows.abs().amax(0))
+
+
+def _not_below_abs(x: torch.Tensor, threshold: torch.Tensor, keep_nan: bool = True, with_magnitudes: bool = False):
     """Indices i, ascending, with |x_i| not below ``threshold``: NaN is not below anything, so it is
-    kept, unless ``keep_nan`` is False (then the indices are those of |x_i| >= threshold)."""
+    kept, unless ``keep_nan`` is False (then the indices are those of |x_i| >= threshold).  With
+    ``with_magnitudes``, also their |x_i|, in the same order (gathered from the few columns read
+    already, rather than from x again)."""
     w = x.numel() // GROUPS
     rows = x[: GROUPS * w].view(GROUPS, w)
 
     def scratch(name, dtype, shape):  # fresh temporaries of this size would be page-faulted in every call
         return workspace(name, math.prod(shape), dtype, x.device).view(shape)
 
-    tops = torch.amax(rows, 0, out=scratch("tops", x.dtype, (w,)))
-    lows = torch.amin(rows, 0, out=scratch("lows", x.dtype, (w,))).neg_()
-    tops = torch.maximum(tops, lows, out=tops)  # NaN propagates, so its column is kept
+    # The largest |x| of each column: one read of x in a fused kernel (|x| is never written; a kernel
+    # that also compared them with the threshold and wrote a boolean mask ran four times slower), else
+    # max(amax, -amin), two reads.  Both are exact, and NaN propagates, so its column is kept.
+    tops = scratch("tops", x.dtype, (w,))
+    if not (x.dtype == torch.float32 and kernels.enabled(x.numel()) and _column_max_abs(rows, tops) is not None):
+        torch.amax(rows, 0, out=tops)
+        torch.maximum(tops, torch.amin(rows, 0, out=scratch("lows", x.dtype, (w,))).neg_(), out=tops)
     # Boolean masks: a byte per element for _where to scan (a 0./1. float mask would be four).
     columns = _where(torch.lt(tops, threshold, out=scratch("columns", torch.bool, (w,))).logical_not_())
     c = columns.numel()
@@ -348,10 +362,15 @@ def _not_below_abs(x: torch.Tensor, threshold: torch.Tensor, keep_nan: bool = Tr
         return torch.ge(a, threshold, out=out)
 
     row, hit = _where_2d(passing(picked, scratch("hits", torch.bool, (GROUPS, c))))
+    found = picked.view(-1).index_select(0, row * c + hit) if with_magnitudes else None
     # Row by row, columns ascending within a row: i = row * w + column is ascending, tail last.
-    found = columns.index_select(0, hit).add_(row.mul_(w))
-    tail = _where(passing(x[GROUPS * w :].abs())).add_(GROUPS * w)
-    return torch.cat([found, tail])
+    positions = columns.index_select(0, hit).add_(row.mul_(w))
+    rest = x[GROUPS * w :].abs()
+    tail = _where(passing(rest))
+    positions = torch.cat([positions, tail + GROUPS * w])
+    if not with_magnitudes:
+        return positions
+    return positions, torch.cat([found, rest.index_select(0, tail)])
 
 
 def random_positions(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
