@@ -92,6 +92,7 @@ def test_default_thresholds_leave_tensors_the_compile_would_not_repay(lowered_th
     kernel = sign._pack_signs
     assert lowered_thresholds[kernel] == kernels.LARGE_NUMEL
     assert lowered_thresholds[quantize._qsgd_encode] == 1 << 20
+    assert lowered_thresholds[sparse._column_max_abs] == kernels.LARGE_NUMEL  # Top-k's column maxima: a pass
     kernel.min_numel = lowered_thresholds[kernel]
     assert kernel(torch.randn(1 << 20)) is None and not kernel._compiled
 

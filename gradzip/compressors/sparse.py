@@ -328,7 +328,7 @@ def _sampled_threshold(sample: torch.Tensor, k: int, n: int) -> torch.Tensor:
     return _kth_largest(sample, min(sample.numel(), math.ceil(1.2 * share + 3 * math.sqrt(share) + 1)))
 
 
-@kernels.fused
+@kernels.fused(min_numel=kernels.LARGE_NUMEL)  # it saves about a pass: worth its compile on large tensors only
 def _column_max_abs(rows, out):
     return out.copy_(rows.abs().amax(0))
 
