@@ -646,3 +646,31 @@ def test_dgc_exposes_momentum_parameters():
     assert (comp.momentum, comp.nesterov, comp.clip_norm) == (0.5, True, 2.0)
     assert make("dgc").feedback == "momentum" and make("csc").feedback == "residual"
     assert make("csc", feedback="momentum").momentum == 0.9
+
+
+@pytest.mark.parametrize("case", ["plain", "signed zeros", "ties", "one sign", "small"])
+def test_adaptive_threshold_keeps_the_largest_of_each_sign_and_their_means(case):
+    # Each side is the ceil(ratio * |P|) largest positive (most negative) values, as a topk over the
+    # values of that sign picks them; ties may be broken differently, so the kept values are compared.
+    n = 301 if case == "small" else 300_007
+    x = torch.randn(n, generator=torch.Generator().manual_seed(5)) * 0.01
+    if case == "signed zeros":
+        x[::3] = 0.0
+        x[1::3] = -0.0
+    if case == "ties":
+        x = (x * 300).round() / 300
+    if case == "one sign":
+        x = x.abs()
+    comp = make("adaptive_threshold", ratio=0.01)
+    for sign in (1.0, -1.0):
+        idx, mean = comp._side(x, sign)
+        signed = x * sign
+        positive = signed[signed > 0]
+        k = math.ceil(0.01 * positive.numel())
+        expected = torch.topk(positive, k).values
+        assert idx.unique().numel() == idx.numel() == k
+        assert torch.equal(signed[idx].sort().values, expected.sort().values)
+        if k:
+            assert torch.allclose(mean, sign * expected.mean(), rtol=1e-5, atol=0)
+        else:
+            assert case == "one sign" and sign < 0 and float(mean) == 0.0

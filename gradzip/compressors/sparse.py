@@ -732,13 +732,18 @@ class AdaptiveThreshold(Compressor):
         self.ratio = check_ratio("ratio", ratio)
 
     def _side(self, flat: torch.Tensor, sign: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Positions of the kept values of one sign (unique int64) and their mean (fp32, 0 when none)."""
-        signed = flat * sign
-        candidates = _where(signed > 0)
-        k = math.ceil(self.ratio * candidates.numel())
-        idx = candidates[torch.topk(signed[candidates], k, sorted=False).indices]
-        mean = flat[idx].mean() if k else flat.new_zeros(())
-        return idx, mean
+        """Positions of the kept values of one sign (unique int64) and their mean (fp32, 0 when none).
+
+        k = ceil(ratio * |P|) is at most |P|, so the k largest values of all are positive: they are the
+        k largest positive ones, found by :func:`top_k` over the whole tensor (which samples a threshold)
+        rather than by a topk over the positions of every positive value."""
+        n = flat.numel()
+        signed = flat if sign > 0 else torch.neg(flat, out=workspace("negated", n, flat.dtype, flat.device))
+        k = math.ceil(self.ratio * count_true(torch.gt(signed, 0, out=workspace("mask", n, torch.bool, flat.device))))
+        if k == 0:
+            return torch.empty(0, dtype=torch.long, device=flat.device), flat.new_zeros(())
+        idx = top_k(signed, k)
+        return idx, flat[idx].mean()
 
     def exchange(self, x, ctx):
         flat = x.reshape(-1).float()
