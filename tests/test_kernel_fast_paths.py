@@ -14,7 +14,8 @@ import gradzip
 from gradzip import feedback
 from gradzip.bits import byte_table, lookup_codes, pack_bits, select, unpack_bits
 from gradzip.collectives import LocalTransport, run_lockstep
-from gradzip.compressors.base import Exchanged, TensorContext, zeroed
+from gradzip.compressors import base
+from gradzip.compressors.base import Exchanged, TensorContext, compare, zeroed
 from gradzip.compressors.dense import NoCompression
 from gradzip.compressors.sketch import median_of_rows
 from gradzip.compressors.sparse import _at_least, _at_least_abs, magnitudes, random_positions, top_k, top_k_abs
@@ -22,6 +23,34 @@ from gradzip.compressors.sparse import _at_least, _at_least_abs, magnitudes, ran
 
 def randn(*shape, seed=0):
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+# -- comparisons by numpy: torch's masks, bit for bit ----------------------------------------------------
+
+
+SPECIAL = [1.0, float("nan"), -float("inf"), float("inf"), -0.0, 0.0, 1e-45, -1e-45, 3.4e38, 0.1, 0.1000000015]
+
+
+@pytest.mark.parametrize("op", ["lt", "le", "gt", "ge", "eq"])
+def test_comparisons_by_numpy_are_torchs(op, monkeypatch):
+    # numpy compares where it gives torch's result (a's dtype, the number rounded to it first); the
+    # rest (a NaN or out-of-range number, an int against a float, other dtypes) is left to torch.
+    used = []
+    monkeypatch.setattr(base, "_COMPARISONS", {k: (t, lambda *a, _n=n, **kw: used.append(1) or _n(*a, **kw))
+                                               for k, (t, n) in base._COMPARISONS.items()})
+    floats = torch.tensor(SPECIAL * 3, dtype=torch.float32).view(3, -1)
+    ints = torch.tensor([-5, 0, 63, 64, 65, 2**31 - 1, -2**31], dtype=torch.int32)
+    cases = [(floats, b) for b in (0, 0.0, -0.0, 0.1, 1e-46, 2**24, 2**40, 1e39, float("nan"), torch.tensor(0.1),
+                                   torch.tensor(0.1, dtype=torch.float64), torch.tensor(float("nan")))]
+    cases += [(floats.double(), 0.1), (floats, floats.flip(1).contiguous()), (floats.half(), 0.1)]
+    cases += [(ints, b) for b in (64, 0, 2**40, 2.5, torch.tensor(64, dtype=torch.int32), torch.tensor(64))]
+    numpy_cases = 0
+    for a, b in cases:
+        before = len(used)
+        got = compare(op, a, b, torch.empty(a.shape, dtype=torch.bool))
+        assert torch.equal(got, getattr(torch, op)(a, b)), (a.dtype, b)
+        numpy_cases += len(used) > before
+    assert numpy_cases >= 12  # the numbers a's dtype holds, the 0-d tensors of its kind, the same-shape tensor
 
 
 # -- the count sketch's median: a sorting network, torch.median's values ----------------------------------

@@ -446,6 +446,52 @@ def workspace(name: str, numel: int, dtype: torch.dtype, device: torch.device) -
     return buf[:numel]
 
 
+_COMPARISONS = {"lt": (torch.lt, np.less), "le": (torch.le, np.less_equal), "gt": (torch.gt, np.greater),
+                "ge": (torch.ge, np.greater_equal), "eq": (torch.eq, np.equal)}
+_NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.int32: np.int32, torch.int64: np.int64}
+
+
+def compare(op: str, a: torch.Tensor, b, out: torch.Tensor) -> torch.Tensor:
+    """``torch.<op>(a, b, out=out)`` into the bool tensor ``out``, for ``op`` in lt, le, gt, ge, eq.
+
+    On CPUs numpy's comparison loops take a third to a half of the time of torch's, which write bools
+    slowly (25M fp32 against a number: 6-7 ms against 16-18).  numpy does it where it gives torch's
+    result exactly: contiguous CPU tensors of one of its dtypes, ``b`` a tensor of a's shape and dtype,
+    or a number or 0-d tensor that torch would compare in a's dtype (so it is rounded to it first, as
+    torch does).  A comparison is exact and NaN compares false in both; elsewhere torch does it.
+    """
+    torch_op, numpy_op = _COMPARISONS[op]
+    other = _numpy_operand(a, b) if _numpy_able(a) and _numpy_able(out) and out.dtype == torch.bool \
+        and out.shape == a.shape else None
+    if other is None:
+        return torch_op(a, b, out=out)
+    numpy_op(a.detach().numpy(), other, out=out.detach().numpy())
+    return out
+
+
+def _numpy_able(t: torch.Tensor) -> bool:
+    return type(t) is torch.Tensor and t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+
+
+def _numpy_operand(a: torch.Tensor, b):
+    """b as numpy compares it with a, in a's dtype; None where that is not torch's comparison."""
+    kind = _NUMPY_DTYPES.get(a.dtype)
+    if kind is None:
+        return None
+    floating = a.dtype.is_floating_point
+    if isinstance(b, torch.Tensor):
+        if b.dim() == 0 and (b.dtype == a.dtype or (floating and b.dtype.is_floating_point)) and b.device.type == "cpu":
+            return kind(b.item())  # a 0-d tensor of a's kind takes a's dtype, rounded as by a cast
+        if b.shape == a.shape and b.dtype == a.dtype and _numpy_able(b):
+            return b.detach().numpy()
+        return None
+    if isinstance(b, float):  # rounded to a's dtype, as torch does; NaN, or beyond its range: torch's path
+        return kind(b) if floating and abs(b) <= float(np.finfo(kind).max) else None
+    if isinstance(b, int) and not isinstance(b, bool):  # only where a's dtype holds it exactly
+        return kind(b) if abs(b) <= (2**24 if floating else np.iinfo(kind).max) else None
+    return None
+
+
 def count_true(mask: torch.Tensor) -> int:
     """``int(mask.sum())`` for a bool tensor, without widening every element to int64 first (25M on
     a CPU: 160 ms summed, 2.6 counted by numpy)."""

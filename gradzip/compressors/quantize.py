@@ -14,7 +14,7 @@ import torch
 
 from .. import kernels
 from ..bits import byte_table, lookup_codes, pack_bits, packed_nbytes, unpack_bits
-from .base import AllGather, AllReduce, Compressor, Exchanged, GatheredCompressor, TensorContext, workspace
+from .base import AllGather, AllReduce, Compressor, Exchanged, GatheredCompressor, TensorContext, compare, workspace
 from .registry import register
 
 
@@ -27,7 +27,7 @@ def _round_up(p: torch.Tensor, ctx: TensorContext) -> torch.Tensor:
     """
     n, device = p.numel(), p.device
     u = _uniforms(n, ctx, device)
-    return torch.lt(u.view(p.shape), p, out=workspace("round_up", n, torch.bool, device).view(p.shape))
+    return compare("lt", u.view(p.shape), p, workspace("round_up", n, torch.bool, device).view(p.shape))
 
 
 def _uniforms(n: int, ctx: TensorContext, device: torch.device) -> torch.Tensor:
@@ -222,7 +222,7 @@ class QSGD(GatheredCompressor):
         xi = ratio.floor_().add_(up).reshape(-1)[:n]
         # Integer clamp: float rounding may push |v_i| s / ||v|| a hair above s (and NaN becomes 0 here).
         codes = workspace("qsgd.codes", n, torch.int32, flat.device).copy_(xi).clamp_(0, s)
-        negative = torch.lt(flat, 0, out=workspace("round_up", n, torch.bool, flat.device))
+        negative = compare("lt", flat, 0, workspace("round_up", n, torch.bool, flat.device))
         return norms.float(), pack_bits(codes.mul_(2).add_(negative), self._bits)
 
     def _compress_fused(self, flat: torch.Tensor, ctx: TensorContext) -> Optional[tuple]:
@@ -407,7 +407,7 @@ class TernGrad(Compressor):
         up = _round_up(p, ctx)
         # t = sign(g) where rounded up, else 0, sent as t + 1 in {0, 1, 2}.  up implies |g| > 0 (u < 0 never
         # holds), so t + 1 = 1 + up * (2 [g > 0] - 1) = 1 - up + 2 (up and g > 0).
-        positive = torch.gt(g, 0, out=workspace("terngrad.positive", n, torch.bool, g.device)).logical_and_(up)
+        positive = compare("gt", g, 0, workspace("terngrad.positive", n, torch.bool, g.device)).logical_and_(up)
         return positive.to(torch.uint8).mul_(2).add_(1).sub_(up.view(torch.uint8))
 
     def payload_bytes(self, ctx, kept=None):
@@ -472,7 +472,7 @@ class Natural(GatheredCompressor):
         biased = torch.bitwise_right_shift(bits, 23, out=workspace("natural.exp", n, torch.int32, device))
         biased.bitwise_and_(0xFF)  # a + 127: |x| in [2^a, 2^(a+1)) for normal floats
         # Below 2^-63 (subnormals and zero included) the two candidates are 0 and 2^-63 instead.
-        tiny = torch.lt(biased, 64, out=workspace("natural.tiny", n, torch.bool, device))
+        tiny = compare("lt", biased, 64, workspace("natural.tiny", n, torch.bool, device))
         # p = the mantissa fraction m / 2^23, or |x| 2^63 for tiny values.
         p = workspace("natural.p", n, torch.float32, device)
         p.copy_(torch.bitwise_and(bits, 0x7FFFFF, out=workspace("natural.work", n, torch.int32, device))).mul_(2.0**-23)
@@ -482,13 +482,13 @@ class Natural(GatheredCompressor):
         diff = scaled.mul_(2.0**63).view(torch.int32).bitwise_xor_(p.view(torch.int32))
         diff.bitwise_and_(workspace("natural.mask", n, torch.int32, device).copy_(tiny).neg_())
         p.view(torch.int32).bitwise_xor_(diff)
-        nonfinite = torch.eq(biased, 0xFF, out=workspace("natural.nonfinite", n, torch.bool, device))
+        nonfinite = compare("eq", biased, 0xFF, workspace("natural.nonfinite", n, torch.bool, device))
         # e = (0 if tiny else a + 64) + rounded up, at most 127; a + 64 = biased - 63 is <= 0 exactly
         # when tiny.
         e = biased.sub_(63).clamp_(min=0).add_(_round_up(p, ctx)).clamp_(max=127)
         codes = e.to(torch.uint8)
         # A value rounded to zero drops its sign: 0x80 is reserved for NaN and Inf.
-        negative = torch.lt(bits, 0, out=workspace("natural.tiny", n, torch.bool, device)).logical_and_(codes > 0)
+        negative = compare("lt", bits, 0, workspace("natural.tiny", n, torch.bool, device)).logical_and_(codes > 0)
         codes.bitwise_or_(negative.view(torch.uint8) << 7)
         return (codes.masked_fill_(nonfinite, self._NONFINITE),)
 

@@ -25,7 +25,7 @@ import torch
 
 from .. import kernels
 from ..bits import pack_bits, packed_nbytes, select, unpack_bits
-from .base import AllGather, Exchanged, GatheredCompressor, TensorContext, workspace
+from .base import AllGather, Exchanged, GatheredCompressor, TensorContext, compare, workspace
 from .registry import register
 
 #: How signSGD/Signum read an exact zero: "abstain" (sign 0, ternary code) or "plus" (sign +1, one bit).
@@ -86,7 +86,7 @@ def encode_signs(x: torch.Tensor) -> torch.Tensor:
     packed = _pack_signs(flat) if kernels.enabled(flat.numel()) else None
     if packed is not None:
         return packed
-    return pack_bits(torch.ge(flat, 0, out=workspace("signs", flat.numel(), torch.bool, flat.device)), 1)
+    return pack_bits(compare("ge", flat, 0, workspace("signs", flat.numel(), torch.bool, flat.device)), 1)
 
 
 def _as_float(values: torch.Tensor, shape, out: Optional[torch.Tensor]) -> torch.Tensor:
@@ -222,7 +222,7 @@ class OneBit(GatheredCompressor):
         # in the order of M's own layout (as torch.where's outputs would), so reused (contiguous) buffers
         # are for contiguous M only.
         if M.dtype == torch.float32 and M.is_contiguous():
-            pos = torch.ge(M, 0, out=workspace("onebit.pos", numel, torch.bool, M.device).view(M.shape))
+            pos = compare("ge", M, 0, workspace("onebit.pos", numel, torch.bool, M.device).view(M.shape))
             picked = workspace("onebit.picked", numel, torch.float32, M.device).view(M.shape)
             # The second group's buffer only where the kernel may run: the reference path reuses picked.
             other = None

@@ -17,7 +17,7 @@ from .. import kernels
 from ..bits import index_dtype
 from .base import AllGather, AllReduce, Compressor, Exchanged, GatheredCompressor, TensorContext, check_ratio
 from .base import value_dtype as _parse_value_dtype
-from .base import count_true, workspace, zeroed
+from .base import compare, count_true, workspace, zeroed
 from .registry import register
 
 
@@ -240,7 +240,7 @@ def _at_least(a: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
     # select the whole tensor.  For a >= 0, "a >= t and a > 0" is "a >= max(t, smallest positive
     # subnormal)": one comparison pass instead of three (a NaN threshold stays NaN and selects nothing).
     passed = workspace("mask", a.numel(), torch.bool, a.device)
-    return _where(torch.ge(a, _above_zero(threshold, a.dtype), out=passed))
+    return _where(compare("ge", a, _above_zero(threshold, a.dtype), passed))
 
 
 def _above_zero(threshold: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -290,7 +290,7 @@ def top_k(a: torch.Tensor, k: int) -> torch.Tensor:
     if stride < 2 or n < _PREFILTER_MIN or a.device.type != "cpu" or 8 * k > n:
         return torch.topk(a, k, sorted=False).indices
     threshold = _sampled_threshold(a[::stride], k, n)
-    below = torch.lt(a, threshold, out=workspace("mask", n, torch.bool, a.device))
+    below = compare("lt", a, threshold, workspace("mask", n, torch.bool, a.device))
     candidates = _where(below.logical_not_())
     if candidates.numel() < k:
         return torch.topk(a, k, sorted=False).indices
@@ -352,14 +352,14 @@ def _not_below_abs(x: torch.Tensor, threshold: torch.Tensor, keep_nan: bool = Tr
         torch.amax(rows, 0, out=tops)
         torch.maximum(tops, torch.amin(rows, 0, out=scratch("lows", x.dtype, (w,))).neg_(), out=tops)
     # Boolean masks: a byte per element for _where to scan (a 0./1. float mask would be four).
-    columns = _where(torch.lt(tops, threshold, out=scratch("columns", torch.bool, (w,))).logical_not_())
+    columns = _where(compare("lt", tops, threshold, scratch("columns", torch.bool, (w,))).logical_not_())
     c = columns.numel()
     picked = torch.index_select(rows, 1, columns, out=scratch("picked", x.dtype, (GROUPS, c))).abs_()
 
     def passing(a, out=None):
-        if keep_nan:
-            return torch.lt(a, threshold, out=out).logical_not_()
-        return torch.ge(a, threshold, out=out)
+        if out is None:
+            return torch.lt(a, threshold).logical_not_() if keep_nan else torch.ge(a, threshold)
+        return compare("lt", a, threshold, out).logical_not_() if keep_nan else compare("ge", a, threshold, out)
 
     row, hit = _where_2d(passing(picked, scratch("hits", torch.bool, (GROUPS, c))))
     found = picked.view(-1).index_select(0, row * c + hit) if with_magnitudes else None
@@ -499,7 +499,7 @@ class Threshold(Sparsifier):
         return _where(self.select_mask(flat, ctx, workspace("mask", flat.numel(), torch.bool, flat.device)))
 
     def select_mask(self, flat, ctx, out):
-        return torch.gt(magnitudes(flat), self.tau, out=out)
+        return compare("gt", magnitudes(flat), self.tau, out)
 
 
 @register
@@ -739,7 +739,7 @@ class AdaptiveThreshold(Compressor):
         rather than by a topk over the positions of every positive value."""
         n = flat.numel()
         signed = flat if sign > 0 else torch.neg(flat, out=workspace("negated", n, flat.dtype, flat.device))
-        k = math.ceil(self.ratio * count_true(torch.gt(signed, 0, out=workspace("mask", n, torch.bool, flat.device))))
+        k = math.ceil(self.ratio * count_true(compare("gt", signed, 0, workspace("mask", n, torch.bool, flat.device))))
         if k == 0:
             return torch.empty(0, dtype=torch.long, device=flat.device), flat.new_zeros(())
         idx = top_k(signed, k)
