@@ -6,8 +6,9 @@ from typing import Optional
 
 import torch
 
-from .base import AllReduce, Compressor, Exchanged, TensorContext, check_ratio, zeroed
+from .base import AllReduce, Compressor, Exchanged, TensorContext, check_ratio, workspace, zeroed
 from .registry import register
+from .sparse import top_k
 
 
 #: Up to this many rows the sorting network below is the faster (2x at 16 rows; its cost grows as rows^2).
@@ -27,8 +28,9 @@ def median_of_rows(a: torch.Tensor) -> torch.Tensor:
     rows = a.shape[0]
     if rows > _NETWORK_ROWS:
         return a.median(dim=0).values
-    # One scratch for every round: a fresh full-size result per round costs more in page faults than its arithmetic.
-    scratch = torch.empty((rows // 2, *a.shape[1:]), dtype=a.dtype, device=a.device)
+    # One scratch for every round, reused across calls: a fresh full-size one costs more in page faults
+    # than the arithmetic done in it (5 x 25M: 133 ms for the first round against 25).
+    scratch = workspace("median", (rows // 2) * math.prod(a.shape[1:]), a.dtype, a.device).view(rows // 2, *a.shape[1:])
     for r in range(rows):
         lo, hi = a[r % 2 : rows - 1 : 2], a[r % 2 + 1 : rows : 2]
         if lo.shape[0]:
@@ -104,9 +106,9 @@ class Sketch(Compressor):
         sketch = torch.zeros(self.rows, cols, dtype=torch.float32, device=x.device).scatter_add_(1, buckets, signed)
         total = yield AllReduce(sketch)
         estimate = median_of_rows(torch.gather(total, 1, buckets, out=signed).mul_(signs))
-        # torch.topk, not the sampled top_k_abs: medians of shared buckets tie often, and which tied
-        # position wins must stay as it was for results to be reproducible.
-        idx = torch.topk(estimate.abs_(), k, sorted=False).indices
+        # The sampled top_k (25M: 35 ms against torch.topk's 745): medians of shared buckets tie often,
+        # and it breaks ties at the k-th value its own way, the same on every rank (their estimates are).
+        idx = top_k(estimate.abs_(), k)
         mine = flat[idx]
         values = yield AllReduce(mine)
         aggregate = zeroed(ctx.buffer("aggregate", (n,), torch.float32, x.device))
