@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from ..bits import index_dtype, pack_bits, packed_nbytes, unpack_bits
-from .base import AllGather, Compressor, Exchanged, TensorContext, zeroed
+from .base import AllGather, Compressor, Exchanged, TensorContext, workspace, zeroed
 from .registry import register
 from .sparse import _check_int, _check_number
 
@@ -77,7 +77,8 @@ class SparseLoCo(Compressor):
         levels, codes, positions = [], [], []
         for start, rows, width, k in self.blocks(flat.numel()):
             block = flat[start:start + rows * width].view(rows, width)
-            local = torch.topk(block.abs(), k, dim=1, sorted=False).indices
+            magnitudes = workspace("sparseloco.abs", block.numel(), block.dtype, block.device).view(rows, width)
+            local = torch.topk(torch.abs(block, out=magnitudes), k, dim=1, sorted=False).indices
             values = block.gather(1, local)
             magnitude = values.abs()
             large = magnitude > magnitude.sum(dim=1, keepdim=True) / max(k, 1)
@@ -110,8 +111,12 @@ class SparseLoCo(Compressor):
 
     def exchange(self, x: torch.Tensor, ctx: TensorContext):
         old = ctx.get(self.state_key)
-        # e = beta * e + x, rounded as written; a fresh contiguous tensor either way (x may be the caller's).
-        e = torch.clone(x, memory_format=torch.contiguous_format) if old is None else torch.mul(old, self.decay).add_(x)
+        # e = beta * e + x, rounded as written, in memory of its own (x may be the caller's): after the
+        # first step the spare that the last commit retired (double buffering: no fresh page faults).
+        if old is None:
+            e = torch.clone(x, memory_format=torch.contiguous_format)
+        else:
+            e = torch.mul(old, self.decay, out=ctx.spare(self.state_key, old)).add_(x)
         flat = e.view(-1)
         gathered = yield AllGather(self.encode(flat), same_size=True)
         n = flat.numel()
