@@ -205,6 +205,7 @@ class OneBit(GatheredCompressor):
 
     name = "onebit"
     default_feedback = "residual"
+    decodes_into = True
 
     def __init__(self, feedback: Optional[str] = None):
         super().__init__(feedback)
@@ -244,14 +245,20 @@ class OneBit(GatheredCompressor):
         means = torch.cat([pos_total / pos_count.clamp(min=1), neg_total / (rows - pos_count).clamp(min=1)]).float()
         return means, pack_bits(pos, 1)
 
-    def decompress(self, fields, ctx):
+    def decompress(self, fields, ctx, out: Optional[torch.Tensor] = None):
         means, packed = fields
         pos_mean, neg_mean = means.view(2, -1)
         shape = self.matrix_shape(ctx.shape)
         numel = math.prod(shape)
         bits = unpack_bits(packed, 1, numel).view(torch.bool).view(shape)
         scratch = workspace("onebit.mask", numel, torch.int32, bits.device).view(shape)
-        return select(bits, pos_mean, neg_mean, scratch=scratch).reshape(ctx.shape)
+        into = None if out is None else out.view(shape)
+        return select(bits, pos_mean, neg_mean, out=into, scratch=scratch).reshape(ctx.shape)
+
+    def decoded_mean(self, gathered, ctx):
+        # combine()'s sum in rank order, each payload decoded into reused memory (a fresh full-size
+        # tensor per rank was page-faulted in on every exchange): the same floats.
+        return self.mean_decoded_into(gathered, ctx, lambda fields, out: self.decompress(fields, ctx, out))
 
     def payload_bytes(self, ctx, kept=None):
         return 8 * self.matrix_shape(ctx.shape)[1] + _bits_bytes(ctx)
