@@ -15,7 +15,7 @@ from gradzip import feedback
 from gradzip.bits import byte_table, lookup_codes, pack_bits, select, unpack_bits
 from gradzip.collectives import LocalTransport, run_lockstep
 from gradzip.compressors import base
-from gradzip.compressors.base import Exchanged, TensorContext, compare, zeroed
+from gradzip.compressors.base import Exchanged, TensorContext, column_counts, compare, zeroed
 from gradzip.compressors.dense import NoCompression
 from gradzip.compressors.sketch import median_of_rows
 from gradzip.compressors.sparse import _at_least, _at_least_abs, magnitudes, random_positions, top_k, top_k_abs
@@ -51,6 +51,14 @@ def test_comparisons_by_numpy_are_torchs(op, monkeypatch):
         assert torch.equal(got, getattr(torch, op)(a, b)), (a.dtype, b)
         numpy_cases += len(used) > before
     assert numpy_cases >= 12  # the numbers a's dtype holds, the 0-d tensors of its kind, the same-shape tensor
+
+
+@pytest.mark.parametrize("shape", [(300, 257), (0, 5), (5, 0), (1, 1), (70_000, 3)])
+def test_column_counts_are_torchs_int32_sums(shape):
+    mask = torch.rand(shape, generator=torch.Generator().manual_seed(2)) < 0.3
+    for m in (mask, mask.t()):  # the transposed one is not contiguous: torch's own sum
+        got = column_counts(m)
+        assert got.dtype == torch.int32 and torch.equal(got, m.sum(dim=0, dtype=torch.int32))
 
 
 # -- the count sketch's median: a sorting network, torch.median's values ----------------------------------

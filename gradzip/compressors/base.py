@@ -492,6 +492,14 @@ def _numpy_operand(a: torch.Tensor, b):
     return None
 
 
+def column_counts(mask: torch.Tensor) -> torch.Tensor:
+    """``mask.sum(dim=0, dtype=torch.int32)`` for a 2-D bool tensor: numpy adds the rows as bytes into
+    int32 counts, which torch does some fifteen times slower (5000 x 5000: 5 ms against 80)."""
+    if mask.device.type == "cpu" and type(mask) is torch.Tensor and mask.is_contiguous():
+        return torch.from_numpy(mask.detach().numpy().view(np.uint8).sum(axis=0, dtype=np.int32))
+    return mask.sum(dim=0, dtype=torch.int32)
+
+
 def count_true(mask: torch.Tensor) -> int:
     """``int(mask.sum())`` for a bool tensor, without widening every element to int64 first (25M on
     a CPU: 160 ms summed, 2.6 counted by numpy)."""

@@ -25,7 +25,7 @@ import torch
 
 from .. import kernels
 from ..bits import pack_bits, packed_nbytes, select, unpack_bits
-from .base import AllGather, Exchanged, GatheredCompressor, TensorContext, compare, workspace
+from .base import AllGather, Exchanged, GatheredCompressor, TensorContext, column_counts, compare, workspace
 from .registry import register
 
 #: How signSGD/Signum read an exact zero: "abstain" (sign 0, ternary code) or "plus" (sign +1, one bit).
@@ -241,7 +241,7 @@ class OneBit(GatheredCompressor):
         else:
             pos = M >= 0
             pos_total, neg_total = torch.where(pos, M, zero).sum(dim=0), torch.where(pos, zero, M).sum(dim=0)
-        pos_count = pos.sum(dim=0, dtype=torch.int32)  # exact, without an int64 copy of the mask
+        pos_count = column_counts(pos)  # exact, without an int64 copy of the mask
         means = torch.cat([pos_total / pos_count.clamp(min=1), neg_total / (rows - pos_count).clamp(min=1)]).float()
         return means, pack_bits(pos, 1)
 
