@@ -129,6 +129,14 @@ def index_dtype(numel: int) -> torch.dtype:
     return torch.int32
 
 
+def _broadcast_shape(x, y) -> tuple:
+    """The shape that ``x`` and ``y`` broadcast to (they must): ``torch.broadcast_shapes`` in plain
+    Python, which costs about 50 us a call there (a tenth of a small tensor's whole 1-bit SGD exchange)."""
+    rank = max(len(x), len(y))
+    x, y = (1,) * (rank - len(x)) + tuple(x), (1,) * (rank - len(y)) + tuple(y)
+    return tuple(b if a == 1 else a for a, b in zip(x, y))
+
+
 def select(condition: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None,
            scratch: torch.Tensor | None = None) -> torch.Tensor:
     """``torch.where(condition, a, b)`` for float32 ``a`` and ``b`` broadcast to ``condition``'s shape,
@@ -144,7 +152,7 @@ def select(condition: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, out: to
     a, b = a.view(torch.int32), b.view(torch.int32)
     mask = torch.neg(condition.to(torch.int32) if scratch is None else scratch.copy_(condition), out=scratch)
     into = None if out is None else out.view(torch.int32)
-    if torch.broadcast_shapes(a.shape, b.shape) != shape:  # a ^ b once per distinct pair (1-bit SGD's columns)
+    if _broadcast_shape(a.shape, b.shape) != tuple(shape):  # a ^ b once per distinct pair (1-bit SGD's columns)
         picked = torch.bitwise_and(torch.bitwise_xor(a, b).expand(shape), mask, out=into)
     else:
         picked = torch.bitwise_xor(a.expand(shape), b.expand(shape), out=into).bitwise_and_(mask)

@@ -38,8 +38,9 @@ def test_comparisons_by_numpy_are_torchs(op, monkeypatch):
     used = []
     monkeypatch.setattr(base, "_COMPARISONS", {k: (t, lambda *a, _n=n, **kw: used.append(1) or _n(*a, **kw))
                                                for k, (t, n) in base._COMPARISONS.items()})
-    floats = torch.tensor(SPECIAL * 3, dtype=torch.float32).view(3, -1)
-    ints = torch.tensor([-5, 0, 63, 64, 65, 2**31 - 1, -2**31], dtype=torch.int32)
+    # Large enough for numpy's path (small tensors stay with torch): the special values, tiled.
+    floats = torch.tensor(SPECIAL * 6000, dtype=torch.float32).view(3, -1)
+    ints = torch.tensor([-5, 0, 63, 64, 65, 2**31 - 1, -2**31] * 10_000, dtype=torch.int32)
     cases = [(floats, b) for b in (0, 0.0, -0.0, 0.1, 1e-46, 2**24, 2**40, 1e39, float("nan"), torch.tensor(0.1),
                                    torch.tensor(0.1, dtype=torch.float64), torch.tensor(float("nan")))]
     cases += [(floats.double(), 0.1), (floats, floats.flip(1).contiguous()), (floats.half(), 0.1)]

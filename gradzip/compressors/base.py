@@ -458,11 +458,13 @@ def compare(op: str, a: torch.Tensor, b, out: torch.Tensor) -> torch.Tensor:
     slowly (25M fp32 against a number: 6-7 ms against 16-18).  numpy does it where it gives torch's
     result exactly: contiguous CPU tensors of one of its dtypes, ``b`` a tensor of a's shape and dtype,
     or a number or 0-d tensor that torch would compare in a's dtype (so it is rounded to it first, as
-    torch does).  A comparison is exact and NaN compares false in both; elsewhere torch does it.
+    torch does), of at least 2^16 elements.  A comparison is exact and NaN compares false in both;
+    elsewhere torch does it.
     """
     torch_op, numpy_op = _COMPARISONS[op]
-    other = _numpy_operand(a, b) if _numpy_able(a) and _numpy_able(out) and out.dtype == torch.bool \
-        and out.shape == a.shape else None
+    # Small tensors stay with torch: numpy's call costs more than it saves below some 30K elements.
+    other = _numpy_operand(a, b) if a.numel() >= _WORKSPACE_MIN and _numpy_able(a) and _numpy_able(out) \
+        and out.dtype == torch.bool and out.shape == a.shape else None
     if other is None:
         return torch_op(a, b, out=out)
     numpy_op(a.detach().numpy(), other, out=out.detach().numpy())
@@ -495,7 +497,8 @@ def _numpy_operand(a: torch.Tensor, b):
 def column_counts(mask: torch.Tensor) -> torch.Tensor:
     """``mask.sum(dim=0, dtype=torch.int32)`` for a 2-D bool tensor: numpy adds the rows as bytes into
     int32 counts, which torch does some fifteen times slower (5000 x 5000: 5 ms against 80)."""
-    if mask.device.type == "cpu" and type(mask) is torch.Tensor and mask.is_contiguous():
+    if mask.numel() >= _WORKSPACE_MIN and mask.device.type == "cpu" and type(mask) is torch.Tensor \
+            and mask.is_contiguous():
         return torch.from_numpy(mask.detach().numpy().view(np.uint8).sum(axis=0, dtype=np.int32))
     return mask.sum(dim=0, dtype=torch.int32)
 
