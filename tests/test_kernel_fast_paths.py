@@ -301,6 +301,21 @@ def test_select_is_torch_where_bit_for_bit():
         assert torch.equal(want.view(torch.int32), got.view(torch.int32))
 
 
+def test_broadcast_shape_is_torchs():
+    from gradzip.bits import _broadcast_shape
+    shapes = [(), (1,), (3,), (0,), (1, 0), (2, 1), (1, 3), (2, 3), (4, 1, 3), (0, 1), (3, 0)]
+    pairs = 0
+    for x in shapes:
+        for y in shapes:
+            try:
+                expected = tuple(torch.broadcast_shapes(x, y))
+            except RuntimeError:
+                continue
+            assert _broadcast_shape(x, y) == expected, (x, y)
+            pairs += 1
+    assert pairs > 60
+
+
 # -- lazy Exchanged, in-place error feedback -----------------------------------------------------------
 
 
