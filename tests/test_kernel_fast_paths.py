@@ -42,7 +42,8 @@ def test_comparisons_by_numpy_are_torchs(op, monkeypatch):
     floats = torch.tensor(SPECIAL * 6000, dtype=torch.float32).view(3, -1)
     ints = torch.tensor([-5, 0, 63, 64, 65, 2**31 - 1, -2**31] * 10_000, dtype=torch.int32)
     cases = [(floats, b) for b in (0, 0.0, -0.0, 0.1, 1e-46, 2**24, 2**40, 1e39, float("nan"), torch.tensor(0.1),
-                                   torch.tensor(0.1, dtype=torch.float64), torch.tensor(float("nan")))]
+                                   torch.tensor(0.1, dtype=torch.float64), torch.tensor(float("nan")),
+                                   torch.tensor(1e39, dtype=torch.float64))]
     cases += [(floats.double(), 0.1), (floats, floats.flip(1).contiguous()), (floats.half(), 0.1)]
     cases += [(ints, b) for b in (64, 0, 2**40, 2.5, torch.tensor(64, dtype=torch.int32), torch.tensor(64))]
     numpy_cases = 0

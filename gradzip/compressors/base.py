@@ -483,10 +483,11 @@ def _numpy_operand(a: torch.Tensor, b):
     floating = a.dtype.is_floating_point
     if isinstance(b, torch.Tensor):
         if b.dim() == 0 and (b.dtype == a.dtype or (floating and b.dtype.is_floating_point)) and b.device.type == "cpu":
-            return kind(b.item())  # a 0-d tensor of a's kind takes a's dtype, rounded as by a cast
-        if b.shape == a.shape and b.dtype == a.dtype and _numpy_able(b):
+            b = b.item()  # a 0-d tensor of a's kind is compared in a's dtype: as the number it holds
+        elif b.shape == a.shape and b.dtype == a.dtype and _numpy_able(b):
             return b.detach().numpy()
-        return None
+        else:
+            return None
     if isinstance(b, float):  # rounded to a's dtype, as torch does; NaN, or beyond its range: torch's path
         return kind(b) if floating and abs(b) <= float(np.finfo(kind).max) else None
     if isinstance(b, int) and not isinstance(b, bool):  # only where a's dtype holds it exactly
