@@ -451,8 +451,9 @@ _COMPARISONS = {"lt": (torch.lt, np.less), "le": (torch.le, np.less_equal), "gt"
 _NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.int32: np.int32, torch.int64: np.int64}
 
 
-def compare(op: str, a: torch.Tensor, b, out: torch.Tensor) -> torch.Tensor:
-    """``torch.<op>(a, b, out=out)`` into the bool tensor ``out``, for ``op`` in lt, le, gt, ge, eq.
+def compare(op: str, a: torch.Tensor, b, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``torch.<op>(a, b, out=out)`` into the bool tensor ``out``, for ``op`` in lt, le, gt, ge, eq
+    (without ``out``, torch's own comparison into a new tensor).
 
     On CPUs numpy's comparison loops take a third to a half of the time of torch's, which write bools
     slowly (25M fp32 against a number: 6-7 ms against 16-18).  numpy does it where it gives torch's
@@ -463,8 +464,8 @@ def compare(op: str, a: torch.Tensor, b, out: torch.Tensor) -> torch.Tensor:
     """
     torch_op, numpy_op = _COMPARISONS[op]
     # Small tensors stay with torch: numpy's call costs more than it saves below some 30K elements.
-    other = _numpy_operand(a, b) if a.numel() >= _WORKSPACE_MIN and _numpy_able(a) and _numpy_able(out) \
-        and out.dtype == torch.bool and out.shape == a.shape else None
+    other = _numpy_operand(a, b) if out is not None and a.numel() >= _WORKSPACE_MIN and _numpy_able(a) \
+        and _numpy_able(out) and out.dtype == torch.bool and out.shape == a.shape else None
     if other is None:
         return torch_op(a, b, out=out)
     numpy_op(a.detach().numpy(), other, out=out.detach().numpy())
@@ -498,8 +499,7 @@ def _numpy_operand(a: torch.Tensor, b):
 def column_counts(mask: torch.Tensor) -> torch.Tensor:
     """``mask.sum(dim=0, dtype=torch.int32)`` for a 2-D bool tensor: numpy adds the rows as bytes into
     int32 counts, which torch does some fifteen times slower (5000 x 5000: 5 ms against 80)."""
-    if mask.numel() >= _WORKSPACE_MIN and mask.device.type == "cpu" and type(mask) is torch.Tensor \
-            and mask.is_contiguous():
+    if mask.numel() >= _WORKSPACE_MIN and _numpy_able(mask):
         return torch.from_numpy(mask.detach().numpy().view(np.uint8).sum(axis=0, dtype=np.int32))
     return mask.sum(dim=0, dtype=torch.int32)
 

@@ -357,8 +357,6 @@ def _not_below_abs(x: torch.Tensor, threshold: torch.Tensor, keep_nan: bool = Tr
     picked = torch.index_select(rows, 1, columns, out=scratch("picked", x.dtype, (GROUPS, c))).abs_()
 
     def passing(a, out=None):
-        if out is None:
-            return torch.lt(a, threshold).logical_not_() if keep_nan else torch.ge(a, threshold)
         return compare("lt", a, threshold, out).logical_not_() if keep_nan else compare("ge", a, threshold, out)
 
     row, hit = _where_2d(passing(picked, scratch("hits", torch.bool, (GROUPS, c))))
