@@ -8,6 +8,8 @@ from .launch import Plan
 from .methods import METHODS, params
 
 HERE = Path(__file__).resolve().parent
+#: Methods the GPT script also runs with its biases and norms' weights exchanged in groups.
+GROUPED = ("topk", "qsgd", "efsignsgd", "onebit", "sparseloco", "dgc", "auto")
 GPT_FEATURES = ("plain", "bf16", "fp16", "accumulate", "unused", "frozen", "static", "bucket_view", "join",
                 "compile")  # compile last: its first run compiles (about 15-60 s on 2 cores), the others reuse it
 
@@ -54,6 +56,8 @@ def gpt_plan(chars, tmp_path_factory):
     launch (the checkpoints first: a launch dying in a later run then does not cost the resume tests)."""
     folder = tmp_path_factory.mktemp("gpt")
     runs = checkpoint_runs(METHODS, folder / "ckpt") + gpt_runs(GPT_FEATURES, METHODS)
+    runs += [{"name": f"grouped/{method}", "method": method, "params": {**params(method), "group_vectors_below": 2**16},
+              "feature": "plain", "deadline": 60} for method in GROUPED]
     return Plan("gpt_ddp.py", runs, folder, timeout=480).execute()
 
 

@@ -7,7 +7,7 @@ go through gradzip (its stats count exchanges over 2 workers; compressing method
 """
 import pytest
 
-from .conftest import GPT_FEATURES
+from .conftest import GPT_FEATURES, GROUPED
 from .methods import METHODS, compresses
 
 
@@ -15,6 +15,16 @@ from .methods import METHODS, compresses
 @pytest.mark.parametrize("feature", GPT_FEATURES)
 def test_feature(gpt_plan, feature, method):
     check_gpt_run(gpt_plan.result(f"{feature}/{method}"), method, loss_scaled=feature == "fp16")
+
+
+@pytest.mark.parametrize("method", GROUPED)
+def test_vectors_grouped(gpt_plan, method):
+    """``group_vectors_below``: the biases and LayerNorm weights of each DDP bucket go as one tensor."""
+    result = gpt_plan.result(f"grouped/{method}")
+    check_gpt_run(result, method)
+    for rep, params in zip(result.reports, result.params):
+        groups = [key for key in rep["exchanged"] if key.startswith("vectors[")]
+        assert groups and len(rep["exchanged"]) < len(params), rep["exchanged"]
 
 
 def check_gpt_run(result, method, world_size=2, loss_scaled=False):

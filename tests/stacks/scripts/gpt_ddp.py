@@ -101,7 +101,7 @@ def train(method, params, feature, device, save=None, resume=None, **_):
         if save and epoch == 0:
             save_checkpoint(f"{save}/rank{rank}.pt", epoch, model=model, optimizer=opt, gradzip=state)
     return model, {"losses": losses, "eval_before": eval_before, "eval_after": evaluate(model, held_out),
-                   "stats": state.stats()}
+                   "stats": state.stats(), "exchanged": sorted(state.steps)}
 
 
 def main():
