@@ -84,6 +84,8 @@ def test_bad_input_is_one_clear_line(tmp_path):
     assert result.exit_code == 2 and "valid: ratio" in result.output
     result = CliRunner().invoke(app, ["train", *DIGITS, "--optimizer", "adam", "--out-dir", str(tmp_path)])
     assert result.exit_code == 2 and "optimizer must be one of sgd, adamw, got 'adam'" in result.output
+    result = CliRunner().invoke(app, ["train", *DIGITS, "--group-vectors-below", "-1", "--out-dir", str(tmp_path)])
+    assert result.exit_code == 2 and "group_vectors_below must be an integer >= 0, got -1" in result.output
     adamw_dgc = ["--optimizer", "adamw", "-c", "dgc"]
     result = CliRunner().invoke(app, ["train", *DIGITS, *adamw_dgc, "--out-dir", str(tmp_path)])
     assert result.exit_code == 2
@@ -159,6 +161,24 @@ def test_gpt_on_chars_trains_with_adamw_and_topk_and_resumes_exactly_from_a_weig
     assert saved["optimizer"]["state"][0]["exp_avg"].shape == saved["model"]["tok.weight"].shape  # AdamW's
     assert any("residual" in slot for slot in saved["gradzip"]["tensors"].values())
 
+    _resume_after_epoch_1_gives_the_same_run(args, run, tmp_path / "cut")
+
+
+def test_gpt_with_grouped_vectors_under_the_optimizer_wrapper_resumes_exactly(tmp_path):
+    """--group-vectors-below: the checkpointed state holds the groups' residuals, and DistributedOptimizer's
+    buckets (and so its groups) are the same after a restart, so the resumed run is the whole run."""
+    args = ["train", "--model", "gpt", "--dataset", "chars", "-n", "2", "-c", "topk", "-p", "ratio=0.05",
+            "--integration", "optimizer", "--group-vectors-below", "65536", "--optimizer", "adamw", "--lr", "0.003",
+            "--seq-len", "32", "--batch-size", "8", "--max-steps", "5", "--test-size", "16", "--epochs", "2",
+            "--no-progress", "--name", "grouped"]
+    result = CliRunner().invoke(app, [*args, "--out-dir", str(tmp_path / "whole")])
+    assert result.exit_code == 0, result.output
+    run = tmp_path / "whole" / "grouped"
+    assert json.loads((run / "summary.json").read_text())["group_vectors_below"] == 65536
+    tensors = torch.load(run / "checkpoint-rank0-step5.pt", weights_only=True)["gradzip"]["tensors"]
+    groups = [key for key in tensors if key.startswith("vectors[")]
+    assert groups and all("residual" in tensors[key] for key in groups)
+    assert not any(key.endswith(".bias") for key in tensors)
     _resume_after_epoch_1_gives_the_same_run(args, run, tmp_path / "cut")
 
 

@@ -78,6 +78,9 @@ class TrainConfig:
     compressor: str = "none"
     params: dict = field(default_factory=dict)
     integration: str = "ddp"  # "ddp" (comm hook) or "optimizer" (DistributedOptimizer)
+    # Biases and norms' weights under this many elements compressed as one tensor per bucket (0: each alone);
+    # GradzipState's group_vectors_below.
+    group_vectors_below: int = 0
     # DiLoCo's outer loop instead of DDP, e.g. "diloco:sync_every=50,fragments=4" (see parse_outer): each rank
     # trains its replica with the optimizer above, and every sync_every steps the compressor sends the
     # pseudo-gradient.
@@ -129,6 +132,11 @@ class TrainConfig:
             value = getattr(self, key)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
                 raise ValueError(f"{key} must be a number of seconds > 0 or None, got {value!r}")
+        if isinstance(self.group_vectors_below, bool) or not isinstance(self.group_vectors_below, int) or self.group_vectors_below < 0:
+            raise ValueError(f"group_vectors_below must be an integer >= 0, got {self.group_vectors_below!r}")
+        if self.group_vectors_below and (self.baseline is not None or self.outer is not None):
+            raise ValueError("group_vectors_below applies to gradzip's DDP hook and DistributedOptimizer, not to a "
+                             "baseline hook or an outer loop")
         if not 0 <= self.validation < 1:
             raise ValueError(f"validation must be a fraction in [0, 1), got {self.validation!r}")
         self.synthetic_shape = tuple(self.synthetic_shape)
@@ -439,11 +447,13 @@ def _exchange(config: TrainConfig, model, optimizer, compressor, device) -> tupl
     if config.integration == "ddp":
         net = nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
         if config.baseline is None:
-            return net, optimizer, gradzip.register(net, compressor, seed=config.seed), None
+            return net, optimizer, gradzip.register(net, compressor, seed=config.seed,
+                                                    group_vectors_below=config.group_vectors_below), None
         state = gradzip.GradzipState(compressor)  # "none", unused: keeps the bookkeeping uniform (zeros)
         _register_baseline(net, config.baseline)
         return net, optimizer, state, None
-    opt = gradzip.DistributedOptimizer(optimizer, model.named_parameters(), compressor, seed=config.seed)
+    opt = gradzip.DistributedOptimizer(optimizer, model.named_parameters(), compressor, seed=config.seed,
+                                       group_vectors_below=config.group_vectors_below)
     return model, opt, opt.gradzip_state, None
 
 
@@ -734,6 +744,7 @@ def _summary(config, stats, last_epoch, reached, wall, world, steps) -> dict:
     score_key = "test_perplexity" if last_epoch and "test_perplexity" in last_epoch else "test_accuracy"
     return {
         "name": config.name, "compressor": config.compressor, "params": config.params, "outer": config.outer,
+        "group_vectors_below": config.group_vectors_below,
         "workers": world, "model": config.model, "dataset": config.dataset, "seed": config.seed, "optimizer": config.optimizer,
         "lr": config.lr, "epochs": config.epochs,
         "final_test_accuracy": last_epoch["test_accuracy"] if last_epoch else None,
