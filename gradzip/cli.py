@@ -57,8 +57,8 @@ def train(
     compressor: str = typer.Option("none", "--compressor", "-c", help="see `gradzip methods`"),
     param: List[str] = typer.Option([], "--param", "-p", help="compressor parameter KEY=VALUE (repeatable)"),
     integration: str = typer.Option("ddp", help="ddp (comm hook) | optimizer (DistributedOptimizer)"),
-    group_vectors_below: int = typer.Option(0, help="compress each bucket's 1-D gradients under N elements as "
-                                            "one tensor (biases, norms; 0: each alone)"),
+    group_vectors_below: int = typer.Option(0, help="compress each bucket's 1-D and 0-d gradients under N "
+                                            "elements as one tensor (biases, norms; 0: each alone)"),
     outer: Optional[str] = typer.Option(None, help='DiLoCo outer loop instead of DDP, e.g. "diloco:sync_every=50,'
                                         'fragments=4" (also outer_lr, outer_momentum, nesterov); -c compresses '
                                         'the pseudo-gradient'),

@@ -53,7 +53,7 @@ def _vector_groups(named_grads: Sequence[tuple[str, torch.Tensor]], below: int) 
         return None
     kinds: dict[tuple, list[int]] = {}
     for i, (_, g) in enumerate(named_grads):
-        if g.dim() <= 1 and g.numel() < below:
+        if _small(g, below):
             kinds.setdefault((g.dtype, g.device), []).append(i)
     groups = {members[0]: members for members in kinds.values() if len(members) > 1}
     if not groups:
@@ -66,6 +66,10 @@ def _vector_groups(named_grads: Sequence[tuple[str, torch.Tensor]], below: int) 
         elif i not in grouped:
             plan.append((key, [i]))
     return plan
+
+
+def _small(g: torch.Tensor, below: int) -> bool:
+    return g.dim() <= 1 and g.numel() < below
 
 
 @functools.lru_cache(maxsize=256)
@@ -178,7 +182,7 @@ class GradzipState:
         # tensor (TensorContext.buffer, spare) and per bucket (fused collectives).  Not saved.
         self._buffers: dict[str, dict] = {}
         self._fused: dict[tuple, dict] = {}
-        self._group_of: dict[str, str] = {}  # a vector's name -> the key of the group it was last exchanged in
+        self._key_of: dict[str, str] = {}  # a small vector's name -> the key it was last exchanged under
         self._buckets_lock = threading.Lock()
         #: The DDP hook's names of parameters (``register`` gives the model's; else learned on first use)
         #: and the group on which it may allreduce itself the buckets :meth:`plain_allreduce_dtype` allows
@@ -226,8 +230,9 @@ class GradzipState:
         """Advance epoch-driven schedules (DGC's warm-up).  Call it with the same value on every rank."""
         self.epoch = int(epoch)
 
-    def context(self, key: str, grad: torch.Tensor, buffers: Optional[dict] = None) -> TensorContext:
-        return TensorContext(key=key, shape=grad.shape, dtype=grad.dtype, step=self.steps.get(key, 0),
+    def context(self, key: str, grad: torch.Tensor, buffers: Optional[dict] = None, first_step: int = 0) -> TensorContext:
+        """``first_step``: the step of a key that has none yet."""
+        return TensorContext(key=key, shape=grad.shape, dtype=grad.dtype, step=self.steps.get(key, first_step),
                              epoch=self.epoch, rank=self.rank, world_size=self.world_size, seed=self.seed,
                              state=self.tensors.get(key, {}), buffers=buffers)
 
@@ -249,9 +254,13 @@ class GradzipState:
         """
         if out is not None and len(out) != len(named_grads):
             raise ValueError(f"exchange: out has {len(out)} tensors for {len(named_grads)} gradients")
-        plan = self._grouped(named_grads)
+        plan = _vector_groups(named_grads, self.group_vectors_below)
+        moves = self._moves(named_grads, plan)
         if plan is None:
-            return self._exchange(named_grads, out)
+            aggregates = self._exchange(named_grads, out, self._first_steps(moves, named_grads))
+            if moves and not self.last_report.nonfinite:
+                self._settle(moves)
+            return aggregates
         joined, targets = [], []
         for key, members in plan:
             if len(members) == 1:
@@ -265,12 +274,15 @@ class GradzipState:
                 buffers = self._buffers.setdefault(key, {})
                 together = buffers.get(_JOINED)
                 numel = sum(p.numel() for p in pieces)
-                if together is None or together.numel() != numel or together.dtype != pieces[0].dtype:
+                if (together is None or together.numel() != numel or together.dtype != pieces[0].dtype
+                        or together.device != pieces[0].device):
                     together = buffers[_JOINED] = pieces[0].new_empty(numel)
                 torch.cat(pieces, out=together)
             joined.append((key, together))
             targets.append(together)
-        aggregates = self._exchange(joined, None if out is None else targets)
+        aggregates = self._exchange(joined, None if out is None else targets, self._first_steps(moves, joined))
+        if not self.last_report.nonfinite:
+            self._settle(moves)
         results = [None] * len(named_grads)
         for (key, members), aggregate in zip(plan, aggregates):
             if len(members) == 1:
@@ -284,23 +296,46 @@ class GradzipState:
                 results[i] = piece if out is None else out[i].copy_(piece)
         return results
 
-    def _grouped(self, named_grads: Sequence[tuple[str, torch.Tensor]]) -> Optional[list]:
-        """:func:`_vector_groups`, and a group's state dropped once one of its vectors is grouped anew
-        (DDP rebuilds its buckets after the first step): it held their past compression error, which
-        no other group can take over."""
-        plan = _vector_groups(named_grads, self.group_vectors_below)
-        for key, members in plan or ():
-            if len(members) > 1:
-                for i in members:
-                    name = named_grads[i][0]
-                    before = self._group_of.get(name)
-                    if before != key:
-                        if before is not None:
-                            self.tensors.pop(before, None)
-                            self.steps.pop(before, None)
-                            self._buffers.pop(before, None)
-                        self._group_of[name] = key
-        return plan
+    def _moves(self, named_grads: Sequence[tuple[str, torch.Tensor]], plan: Optional[list]) -> dict:
+        """``{name: (key, key before)}`` for each small vector that :meth:`exchange` now sends under
+        another key than last time: into a group, out of one into its own name, or into another group
+        (DDP rebuilds its buckets after the first step).  Nothing when grouping is off."""
+        if self.group_vectors_below <= 0:
+            return {}
+        if plan is None:
+            plan = [(key, [i]) for i, (key, _) in enumerate(named_grads)]
+        moves = {}
+        for key, members in plan:
+            for i in members:
+                name, g = named_grads[i]
+                if len(members) == 1 and not _small(g, self.group_vectors_below):
+                    continue
+                before = self._key_of.get(name)
+                if before != key:
+                    moves[name] = (key, before)
+        return moves
+
+    def _first_steps(self, moves: dict, exchanged: Sequence[tuple[str, torch.Tensor]]) -> dict:
+        """The step a key new to this state starts at: that of the bucket's other tensors, or of the keys
+        its vectors came from, so that a bucket stays on one step count (``auto`` schedules its trials
+        by step, bucket by bucket)."""
+        new = {key for key, _ in moves.values() if key not in self.steps}
+        if not new:
+            return {}
+        start = max([self.steps[k] for k, _ in exchanged if k in self.steps]
+                    + [self.steps.get(before, 0) for key, before in moves.values() if key in new and before], default=0)
+        return dict.fromkeys(new, start)
+
+    def _settle(self, moves: dict) -> None:
+        """After an exchange that committed: drop the state of the keys the moved vectors left (a
+        group's residual held their past compression error, which no other key can take over; a
+        vector's own, stale once it is grouped)."""
+        for name, (key, before) in moves.items():
+            if before is not None:
+                self.tensors.pop(before, None)
+                self.steps.pop(before, None)
+                self._buffers.pop(before, None)
+            self._key_of[name] = key
 
     def exchanged_keys(self, named_grads: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, list[int]]]:
         """The state keys :meth:`exchange` uses for these gradients: ``(key, indices)`` per tensor it
@@ -320,11 +355,12 @@ class GradzipState:
                 for key, m in plan]
 
     def _exchange(self, named_grads: Sequence[tuple[str, torch.Tensor]],
-                  out: Optional[Sequence[torch.Tensor]] = None) -> list[torch.Tensor]:
+                  out: Optional[Sequence[torch.Tensor]] = None, first_steps: Optional[dict] = None) -> list[torch.Tensor]:
         keys = [key for key, _ in named_grads]
         self.compressor.observe_step(keys, time.perf_counter())
         reuse = out is not None
-        contexts = [self.context(key, g, self._buffers.setdefault(key, {}) if reuse else None)
+        first_steps = first_steps or {}
+        contexts = [self.context(key, g, self._buffers.setdefault(key, {}) if reuse else None, first_steps.get(key, 0))
                     for key, g in named_grads]
         grads = [g for _, g in named_grads]
         if reuse:
@@ -401,8 +437,11 @@ class GradzipState:
         """Count an exchange that :meth:`plain_allreduce_dtype` allowed and the integration did itself,
         in ``dtype`` (default: the gradients' own).  The compressor still observes the step: auto clocks
         whole steps, dense ones included."""
-        plan = self._grouped(named_grads)
-        keys = [key for key, _ in named_grads] if plan is None else [key for key, _ in plan]
+        exchanged = self._as_exchanged(named_grads)
+        keys = [key for key, _ in exchanged]
+        moves = self._moves(named_grads, _vector_groups(named_grads, self.group_vectors_below))
+        first_steps = self._first_steps(moves, exchanged)
+        self._settle(moves)
         self.compressor.observe_step(keys, time.perf_counter())
         elements = sum(g.numel() for _, g in named_grads)
         t = self.totals
@@ -416,7 +455,7 @@ class GradzipState:
         t["elements"] += elements
         t["elements_sent"] += elements
         for key in keys:
-            self.steps[key] = self.steps.get(key, 0) + 1
+            self.steps[key] = self.steps.get(key, first_steps.get(key, 0)) + 1
 
     def _commit(self, ctx: TensorContext, lent: frozenset | set = frozenset()) -> None:
         """Make ``ctx``'s staged state the committed one.  A value built in a spare

@@ -34,7 +34,7 @@ def concatenated(state: GradzipState, named):
             for key, m in state.exchanged_keys(named)]
 
 
-@pytest.mark.parametrize("into", [False, True], ids=["returned", "into_out"])
+@pytest.mark.parametrize("into", [None, "inputs", "other"], ids=["returned", "into_inputs", "into_other"])
 @pytest.mark.parametrize("method", METHODS)
 def test_a_group_is_exchanged_as_its_concatenation(method, into):
     params = PARAMS.get(method, {})
@@ -48,7 +48,7 @@ def test_a_group_is_exchanged_as_its_concatenation(method, into):
         assert [m for _, m in plan] == [[0], [1, 2, 3, 5, 8], [4, 7], [6], [9]]  # "large" has 40 elements
         expected = reference.exchange(concatenated(grouped, named))
         inputs = [(k, g.clone()) for k, g in named]
-        out = [g for _, g in inputs] if into else None
+        out = {None: None, "inputs": [g for _, g in inputs], "other": [torch.full_like(g, 5.0) for _, g in inputs]}[into]
         got = grouped.exchange(inputs, out=out)
         for (key, members), want in zip(plan, expected):
             for i, piece in zip(members, want.reshape(-1).split([named[i][1].numel() for i in members])):
@@ -81,6 +81,53 @@ def test_a_vector_grouped_anew_leaves_no_state_of_its_old_group():
     assert new not in state.tensors  # [a, b, d] was exchanged; [a, b] alone never was
     state.exchange(vectors[:2])
     assert set(state.steps) == {new} and set(state.tensors) == {new}
+
+
+def test_a_skipped_step_keeps_the_old_group():
+    state = GradzipState("topk", ratio=0.3, group_vectors_below=100)
+    vectors = [(name, torch.randn(10)) for name in "abc"]
+    state.exchange(vectors)
+    saved = state.state_dict()
+    bad = [(k, g.clone()) for k, g in vectors[:2]]
+    bad[0][1][3] = float("nan")
+    assert state.exchange(bad)[1].isnan().all()
+    after = state.state_dict()
+    assert after["steps"] == saved["steps"] and after["tensors"].keys() == saved["tensors"].keys()
+    state.exchange(vectors[:2])
+    assert set(state.steps) == {state.exchanged_keys(vectors[:2])[0][0]}
+
+
+def test_vectors_going_alone_and_back_start_their_group_afresh():
+    state = GradzipState("topk", ratio=0.3, group_vectors_below=100)
+    pair = [("a", torch.randn(10)), ("b", torch.randn(10))]
+    (group, _), = state.exchanged_keys(pair)
+    state.exchange(pair)
+    assert set(state.tensors) == {group}
+    state.exchange(pair[:1])
+    state.exchange(pair[1:])
+    assert set(state.tensors) == set(state.steps) == {"a", "b"}  # the group's residual is gone, not kept aside
+    state.exchange(pair)
+    assert set(state.tensors) == set(state.steps) == {group}
+    fresh = GradzipState("topk", ratio=0.3, group_vectors_below=100)
+    fresh.steps[group] = state.steps[group] - 1  # the same step, hence the same draws, with no residual
+    fresh.exchange(pair)
+    assert torch.equal(fresh.tensors[group]["residual"], state.tensors[group]["residual"])
+
+
+def test_a_new_group_keeps_its_bucket_on_one_step_count():
+    """After DDP rebuilds its buckets, a new group starts at its bucket's step: auto schedules its trials
+    by step, bucket by bucket."""
+    state = GradzipState("topk", ratio=0.3, group_vectors_below=100)
+    w, a, b, c = ("w", torch.randn(4, 4)), ("a", torch.randn(5)), ("b", torch.randn(5)), ("c", torch.randn(5))
+    state.exchange([w, a, b, c])
+    state.exchange([w, a, b, c])
+    state.exchange([w, a, b])
+    (_, _), (group, _) = state.exchanged_keys([w, a, b])
+    assert state.steps == {"w": 3, group: 3}
+    dense = GradzipState("powersgd", group_vectors_below=100)  # the plain path: a step counted, not exchanged
+    dense.exchange([w, a, b, c])
+    dense.record_dense([w, a, b])
+    assert dense.steps == {"w": 2, group: 2}
 
 
 def test_one_vector_alone_and_large_vectors_keep_their_own_keys():
