@@ -300,7 +300,10 @@ def exchange(compressor: Compressor, g: torch.Tensor, ctx: TensorContext) -> Exc
     x = g.detach().reshape(ctx.shape).float()
     compressed = compressor.compresses(ctx)
     run = compressor.exchange if compressed else _DENSE.exchange
-    if ctx.out is not None:
+    # Without feedback nothing reads the input after the exchange, so a method that is done with it
+    # before building the aggregate may build it in the input's own memory.
+    into_input = compressed and compressor.done_with_input_early and isinstance(scheme_of(compressor), NoFeedback)
+    if ctx.out is not None and not into_input:
         run = _withdrawing_overlapping_out(run)
     return (yield from scheme_of(compressor).exchange(compressor, x, ctx, run, compressed))
 

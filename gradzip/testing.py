@@ -20,7 +20,8 @@ calls the functions below one by one):
 - ``nonfinite``: a NaN input gives NaN everywhere and commits no state;
 - ``state_dict``: a run resumed from ``state_dict()`` continues bit for bit;
 - ``reuse``: exchanging into ``out`` (the integrations' way: buffers kept across steps, state double
-  buffered) gives the same aggregates and state as plain exchanges, bit for bit;
+  buffered) gives the same aggregates and state as plain exchanges, bit for bit, also with 3 ranks
+  (threads) each exchanging its gradients into themselves;
 - ``distributed`` (``distributed=True``): two real gloo processes (:func:`gradzip.launcher.run_workers`)
   get identical results.  The compressor travels to them by pickle, so its class (or factory) must be
   importable by module and name: defined at the top level of a module, not in a function or a notebook.
@@ -34,13 +35,14 @@ from __future__ import annotations
 import copy
 import functools
 import pickle
+import threading
 import warnings
 from typing import Callable, Union
 
 import torch
 
 from . import feedback
-from .collectives import LocalTransport, run_lockstep, simulate
+from .collectives import LocalTransport, ThreadGroup, run_lockstep, simulate
 from .compressors.base import Compressor, TensorContext
 from .compressors.dense import NoCompression
 from .compressors.registry import make
@@ -358,6 +360,47 @@ def check_reuse(factory, c, steps=5, nan_step=2):
                           "into out (buffers or spares reused while still in use)")
         if a["steps"] != b["steps"] or set(a["tensors"]) != set(b["tensors"]):
             _fail(c, "reused buffers", f"step {step}: the states hold different tensors or step counters")
+    _check_reuse_across_ranks(factory, c, exact)
+
+
+def _check_reuse_across_ranks(factory, c, exact, world=3, steps=3):
+    """3 ranks (threads of :class:`ThreadGroup`), each exchanging its gradients into themselves as DDP's
+    bucket, get the aggregates of plain exchanges: what a method builds in lent memory never overwrites
+    an input or a payload that another rank's data is still decoded against."""
+    runs = []
+    for into_inputs in (False, True):
+        group, outputs, errors = ThreadGroup(world), [None] * world, []
+
+        def worker(rank):
+            try:
+                state = GradzipState(_fresh(factory), seed=3, transport=group.transport(rank))
+                outputs[rank] = []
+                for step in range(steps):
+                    named = [(f"t{i}", grads(s, torch.float32, 100 * rank + 11 * step + i)) for i, s in enumerate(REUSE_SHAPES)]
+                    got = state.exchange(named, out=[g for _, g in named] if into_inputs else None)
+                    outputs[rank].append([t.clone() for t in got])
+            except BaseException as exc:  # release the other ranks from their barrier, report below
+                errors.append(exc)
+                group.barrier.abort()
+
+        threads = [threading.Thread(target=worker, args=(rank,), daemon=True) for rank in range(world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        if any(t.is_alive() for t in threads):
+            _fail(c, "reused buffers", f"{world} ranks exchanging into their inputs did not finish in 120 s")
+        if errors:
+            raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
+        runs.append(outputs)
+    plain, lent = runs
+    for rank in range(world):
+        for step in range(steps):
+            for i, (a, b) in enumerate(zip(plain[rank][step], lent[rank][step])):
+                if a.shape != b.shape or not torch.equal(a.isnan(), b.isnan()) or (
+                        exact and not torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))):
+                    _fail(c, "reused buffers", f"{world} ranks, rank {rank}, step {step}, tensor t{i}: exchanging "
+                          "into the inputs themselves differs from a plain exchange")
 
 
 def _distributed_worker(rank, world, factory, steps):

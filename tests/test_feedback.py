@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+import gradzip
 from gradzip import feedback, kernels, make
 from gradzip.collectives import LocalTransport
 from gradzip.feedback import MomentumCorrection, NoFeedback, Residual, make_feedback, scheme_of
@@ -134,6 +135,46 @@ def test_the_callers_output_holds_the_aggregate_only_where_that_is_safe():
     # step 0: the gradient is the compressor's input (no residual yet); then in place; at step 2 not
     # in b's gradient, but in the separate output
     assert built_in_out == [False, False, True, True, False, True]
+
+
+DONE_WITH_INPUT_EARLY = ["natural", "qsgd", "signsgd", "signum", "terngrad"]
+
+
+def test_the_methods_done_with_their_input_early_are_these():
+    assert sorted(n for n in gradzip.compressors() if type(gradzip.make(n)).done_with_input_early) == DONE_WITH_INPUT_EARLY
+
+
+@pytest.mark.parametrize("name, feedback_, in_place", [(n, "none", True) for n in DONE_WITH_INPUT_EARLY]
+                         + [("signsgd", "residual", False), ("qsgd", "residual", False), ("topk", "none", False)])
+def test_without_feedback_a_method_done_with_its_input_builds_the_aggregate_in_it(name, feedback_, in_place, monkeypatch):
+    """DDP's bucket is both the input and the output: a method that reads its input only before it takes
+    its aggregate buffer builds the aggregate there, from the first step, when no feedback reads the
+    input afterwards (no copy out); residual feedback (whose first step reads it) and a method without
+    the promise get a buffer of their own.  Bit for bit the plain exchange either way."""
+    from gradzip.compressors import base
+
+    built_in_input = []
+    original = base.TensorContext.buffer
+
+    def watched(self, name_, shape, dtype, device):
+        got = original(self, name_, shape, dtype, device)
+        if name_ == "aggregate":
+            built_in_input.append(got.data_ptr() == bucket.data_ptr())
+        return got
+
+    gen = torch.Generator().manual_seed(3)
+    params = {"feedback": feedback_, **({"ratio": 0.1} if name == "topk" else {})}
+    plain = GradzipState(gradzip.make(name, **params), transport=LocalTransport(), seed=1)
+    lent = GradzipState(gradzip.make(name, **params), transport=LocalTransport(), seed=1)
+    for step in range(2):
+        g = torch.randn(300, 40, generator=gen)
+        expected = plain.exchange([("w", g)])
+        bucket = g.clone()
+        monkeypatch.setattr(base.TensorContext, "buffer", watched)
+        got = lent.exchange([("w", bucket)], out=[bucket])
+        monkeypatch.setattr(base.TensorContext, "buffer", original)
+        assert got[0] is bucket and torch.equal(expected[0], got[0])
+    assert built_in_input[0] is in_place
 
 
 def test_the_input_check_fused_with_g_plus_e_flags_exactly_the_non_finite_sums(monkeypatch):

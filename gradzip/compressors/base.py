@@ -282,6 +282,12 @@ class Compressor:
     #: True when every NaN and Inf of the input reaches the aggregate (dense casts and sums): the
     #: owner's check of the aggregate then finds it, and the owner skips its read of the input.
     carries_nonfinite: ClassVar[bool] = False
+    #: True when :meth:`exchange` reads its input only before it takes its aggregate buffer
+    #: (``ctx.buffer("aggregate", ...)``) and no payload field shares the input's memory.  Without error
+    #: feedback, which would read the input after the exchange, the owner may then lend the input's own
+    #: memory (DDP's bucket) as the aggregate buffer: the aggregate is built where it is wanted instead
+    #: of being copied there.  False (the default) never lends it.
+    done_with_input_early: ClassVar[bool] = False
 
     #: The error-feedback schemes this method accepts (``momentum`` needs momentum parameters).
     feedbacks: ClassVar[tuple] = ("none", "residual")

@@ -181,6 +181,7 @@ class QSGD(GatheredCompressor):
 
     name = "qsgd"
     deterministic = False
+    done_with_input_early = True
     decodes_into = True
 
     def __init__(self, levels: int = 1, bucket_size: int = 512, norm: str = "l2", feedback: Optional[str] = None):
@@ -361,6 +362,7 @@ class TernGrad(Compressor):
 
     name = "terngrad"
     deterministic = False
+    done_with_input_early = True
 
     def __init__(self, clip: Optional[float] = 2.5, feedback: Optional[str] = None):
         super().__init__(feedback)
@@ -457,6 +459,7 @@ class Natural(GatheredCompressor):
 
     name = "natural"
     deterministic = False
+    done_with_input_early = True
     _NONFINITE = 0x80
 
     def __init__(self, feedback: Optional[str] = None):

@@ -272,6 +272,8 @@ class _SignVote(GatheredCompressor):
     y_r is what rank r signs; each rank sends its ||y_r||_1 / n as one fp32 beside the codes.
     """
 
+    done_with_input_early = True
+
     def __init__(self, scaled: bool = True, zeros: str = "abstain", feedback: Optional[str] = None):
         super().__init__(feedback)
         if not isinstance(scaled, bool):
