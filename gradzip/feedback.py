@@ -302,8 +302,8 @@ def exchange(compressor: Compressor, g: torch.Tensor, ctx: TensorContext) -> Exc
     run = compressor.exchange if compressed else _DENSE.exchange
     # Without feedback nothing reads the input after the exchange, so a method that is done with it
     # before building the aggregate may build it in the input's own memory.
-    into_input = compressed and compressor.done_with_input_early and isinstance(scheme_of(compressor), NoFeedback)
-    if ctx.out is not None and not into_input:
+    if ctx.out is not None and not (compressed and compressor.done_with_input_early
+                                    and isinstance(scheme_of(compressor), NoFeedback)):
         run = _withdrawing_overlapping_out(run)
     return (yield from scheme_of(compressor).exchange(compressor, x, ctx, run, compressed))
 

@@ -68,8 +68,20 @@ def _vector_groups(named_grads: Sequence[tuple[str, torch.Tensor]], below: int) 
     return plan
 
 
+def _each_alone(named_grads: Sequence[tuple[str, torch.Tensor]]) -> list:
+    """The plan of :func:`_vector_groups` when nothing is grouped: every tensor under its own name."""
+    return [(key, [i]) for i, (key, _) in enumerate(named_grads)]
+
+
 def _small(g: torch.Tensor, below: int) -> bool:
     return g.dim() <= 1 and g.numel() < below
+
+
+def check_group_vectors_below(value) -> int:
+    """``group_vectors_below`` as given, or a one-line ValueError."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"group_vectors_below must be an integer >= 0, got {value!r}")
+    return value
 
 
 @functools.lru_cache(maxsize=256)
@@ -154,9 +166,7 @@ class GradzipState:
     def __init__(self, compressor: Compressor | str, *, group: Optional[dist.ProcessGroup] = None,
                  seed: int = 0, transport: Optional[Transport] = None, feedback=None,
                  group_vectors_below: int = 0, **params):
-        if isinstance(group_vectors_below, bool) or not isinstance(group_vectors_below, int) or group_vectors_below < 0:
-            raise ValueError(f"group_vectors_below must be an integer >= 0, got {group_vectors_below!r}")
-        self.group_vectors_below = group_vectors_below
+        self.group_vectors_below = check_group_vectors_below(group_vectors_below)
         if feedback is None:
             self.compressor = make(compressor, **params)
         elif isinstance(feedback, str) and not isinstance(compressor, Compressor):
@@ -302,10 +312,8 @@ class GradzipState:
         (DDP rebuilds its buckets after the first step).  Nothing when grouping is off."""
         if self.group_vectors_below <= 0:
             return {}
-        if plan is None:
-            plan = [(key, [i]) for i, (key, _) in enumerate(named_grads)]
         moves = {}
-        for key, members in plan:
+        for key, members in plan or _each_alone(named_grads):
             for i in members:
                 name, g = named_grads[i]
                 if len(members) == 1 and not _small(g, self.group_vectors_below):
@@ -341,13 +349,11 @@ class GradzipState:
         """The state keys :meth:`exchange` uses for these gradients: ``(key, indices)`` per tensor it
         compresses, ``indices`` being the gradients that tensor holds, in order (several for a group of
         small vectors)."""
-        plan = _vector_groups(named_grads, self.group_vectors_below)
-        return plan if plan is not None else [(key, [i]) for i, (key, _) in enumerate(named_grads)]
+        return _vector_groups(named_grads, self.group_vectors_below) or _each_alone(named_grads)
 
-    def _as_exchanged(self, named_grads: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-        """The tensors :meth:`exchange` would compress, a group of vectors as a meta tensor of its size:
-        enough for what depends on keys, shapes and dtypes only."""
-        plan = _vector_groups(named_grads, self.group_vectors_below)
+    def _as_exchanged(self, named_grads: Sequence[tuple[str, torch.Tensor]], plan: Optional[list]) -> list[tuple[str, torch.Tensor]]:
+        """The tensors :meth:`exchange` would compress under ``plan`` (:func:`_vector_groups`), a group of
+        vectors as a meta tensor of its size: enough for what depends on keys, shapes and dtypes only."""
         if plan is None:
             return list(named_grads)
         return [(key, named_grads[m[0]][1] if len(m) == 1 else
@@ -426,7 +432,7 @@ class GradzipState:
         if isinstance(scheme, _feedback.MomentumCorrection):  # momentum accumulates even where nothing is compressed
             return None
         wire = set()
-        for key, g in self._as_exchanged(named_grads):
+        for key, g in self._as_exchanged(named_grads, _vector_groups(named_grads, self.group_vectors_below)):
             ctx = self.context(key, g)
             if any(k in ctx.state for k in scheme.state_keys):
                 return None  # a residual left from earlier steps must be sent
@@ -437,9 +443,10 @@ class GradzipState:
         """Count an exchange that :meth:`plain_allreduce_dtype` allowed and the integration did itself,
         in ``dtype`` (default: the gradients' own).  The compressor still observes the step: auto clocks
         whole steps, dense ones included."""
-        exchanged = self._as_exchanged(named_grads)
+        plan = _vector_groups(named_grads, self.group_vectors_below)
+        exchanged = self._as_exchanged(named_grads, plan)
         keys = [key for key, _ in exchanged]
-        moves = self._moves(named_grads, _vector_groups(named_grads, self.group_vectors_below))
+        moves = self._moves(named_grads, plan)
         first_steps = self._first_steps(moves, exchanged)
         self._settle(moves)
         self.compressor.observe_step(keys, time.perf_counter())

@@ -347,8 +347,7 @@ def check_reuse(factory, c, steps=5, nan_step=2):
         for i, (a, b, o) in enumerate(zip(expected, got, out)):
             if b is not o:
                 _fail(c, "reused buffers", f"step {step}: exchange(out=...) returned tensor {i} not written into out")
-            if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a.isnan(), b.isnan()) or (
-                    exact and not torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))):
+            if not _same_result(a, b, exact):
                 _fail(c, "reused buffers", f"step {step}, tensor t{i} of shape {tuple(a.shape)}: exchanging into out "
                       f"differs from a plain exchange")
         a, b = plain.state_dict(), reused.state_dict()
@@ -361,6 +360,12 @@ def check_reuse(factory, c, steps=5, nan_step=2):
         if a["steps"] != b["steps"] or set(a["tensors"]) != set(b["tensors"]):
             _fail(c, "reused buffers", f"step {step}: the states hold different tensors or step counters")
     _check_reuse_across_ranks(factory, c, exact)
+
+
+def _same_result(a: torch.Tensor, b: torch.Tensor, exact: bool) -> bool:
+    """Same shape, dtype and NaN positions, and (``exact``) the same values bit for bit."""
+    return (a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.isnan(), b.isnan())
+            and (not exact or torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))))
 
 
 def _check_reuse_across_ranks(factory, c, exact, world=3, steps=3):
@@ -397,8 +402,7 @@ def _check_reuse_across_ranks(factory, c, exact, world=3, steps=3):
     for rank in range(world):
         for step in range(steps):
             for i, (a, b) in enumerate(zip(plain[rank][step], lent[rank][step])):
-                if a.shape != b.shape or not torch.equal(a.isnan(), b.isnan()) or (
-                        exact and not torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))):
+                if not _same_result(a, b, exact):
                     _fail(c, "reused buffers", f"{world} ranks, rank {rank}, step {step}, tensor t{i}: exchanging "
                           "into the inputs themselves differs from a plain exchange")
 

@@ -1,10 +1,13 @@
 """Error feedback as objects composed with a compressor through GradzipState(..., feedback=...)."""
+import contextlib
+
 import pytest
 import torch
 
 import gradzip
 from gradzip import feedback, kernels, make
 from gradzip.collectives import LocalTransport
+from gradzip.compressors import base
 from gradzip.feedback import MomentumCorrection, NoFeedback, Residual, make_feedback, scheme_of
 from gradzip.state import GradzipState
 
@@ -99,23 +102,31 @@ def test_no_method_writes_into_a_feedback_schemes_state(name):
     assert not set(state.tensors.get("w", {})) & owned
 
 
+@contextlib.contextmanager
+def aggregate_buffers():
+    """Within: every aggregate buffer ``TensorContext.buffer`` hands out, as (the output lent to that
+    context at the time, the buffer), in order."""
+    handed, original = [], base.TensorContext.buffer
+
+    def watched(self, name, shape, dtype, device):
+        got = original(self, name, shape, dtype, device)
+        if name == "aggregate":
+            handed.append((self.out, got))
+        return got
+
+    base.TensorContext.buffer = watched
+    try:
+        yield handed
+    finally:
+        base.TensorContext.buffer = original
+
+
 def test_the_callers_output_holds_the_aggregate_only_where_that_is_safe():
     """exchange(out=...) builds a tensor's aggregate straight in its output (no copy out) when the
     output is the tensor's own gradient, as DDP's bucket views are, once the compensated input lives
     elsewhere; not while the compressor's input is that memory, nor in an output that overlaps another
     gradient.  Every case equals a plain exchange bit for bit."""
-    from gradzip.collectives import LocalTransport
-    from gradzip.compressors import base
-
     built_in_out = []
-    original = base.TensorContext.buffer
-
-    def watched(self, name, shape, dtype, device):
-        got = original(self, name, shape, dtype, device)
-        if name == "aggregate":
-            built_in_out.append(self.out is not None and got.data_ptr() == self.out.data_ptr())
-        return got
-
     gen = torch.Generator().manual_seed(0)
     plain = GradzipState("topk", transport=LocalTransport(), seed=1)
     lent = GradzipState("topk", transport=LocalTransport(), seed=1)
@@ -126,11 +137,9 @@ def test_the_callers_output_holds_the_aggregate_only_where_that_is_safe():
         inputs = [("a", bucket[0]), ("b", bucket[1])]
         # At step 2, a's output is b's gradient: it may only be written once the exchange is over.
         out = [bucket[1], torch.empty(300, 40)] if step == 2 else [bucket[0], bucket[1]]
-        base.TensorContext.buffer = watched
-        try:
+        with aggregate_buffers() as handed:
             got = lent.exchange(inputs, out=out)
-        finally:
-            base.TensorContext.buffer = original
+        built_in_out += [lent_out is not None and b.data_ptr() == lent_out.data_ptr() for lent_out, b in handed]
         assert all(torch.equal(a, b) for a, b in zip(expected, got))
     # step 0: the gradient is the compressor's input (no residual yet); then in place; at step 2 not
     # in b's gradient, but in the separate output
@@ -146,22 +155,12 @@ def test_the_methods_done_with_their_input_early_are_these():
 
 @pytest.mark.parametrize("name, feedback_, in_place", [(n, "none", True) for n in DONE_WITH_INPUT_EARLY]
                          + [("signsgd", "residual", False), ("qsgd", "residual", False), ("topk", "none", False)])
-def test_without_feedback_a_method_done_with_its_input_builds_the_aggregate_in_it(name, feedback_, in_place, monkeypatch):
+def test_without_feedback_a_method_done_with_its_input_builds_the_aggregate_in_it(name, feedback_, in_place):
     """DDP's bucket is both the input and the output: a method that reads its input only before it takes
     its aggregate buffer builds the aggregate there, from the first step, when no feedback reads the
     input afterwards (no copy out); residual feedback (whose first step reads it) and a method without
     the promise get a buffer of their own.  Bit for bit the plain exchange either way."""
-    from gradzip.compressors import base
-
     built_in_input = []
-    original = base.TensorContext.buffer
-
-    def watched(self, name_, shape, dtype, device):
-        got = original(self, name_, shape, dtype, device)
-        if name_ == "aggregate":
-            built_in_input.append(got.data_ptr() == bucket.data_ptr())
-        return got
-
     gen = torch.Generator().manual_seed(3)
     params = {"feedback": feedback_, **({"ratio": 0.1} if name == "topk" else {})}
     plain = GradzipState(gradzip.make(name, **params), transport=LocalTransport(), seed=1)
@@ -170,9 +169,9 @@ def test_without_feedback_a_method_done_with_its_input_builds_the_aggregate_in_i
         g = torch.randn(300, 40, generator=gen)
         expected = plain.exchange([("w", g)])
         bucket = g.clone()
-        monkeypatch.setattr(base.TensorContext, "buffer", watched)
-        got = lent.exchange([("w", bucket)], out=[bucket])
-        monkeypatch.setattr(base.TensorContext, "buffer", original)
+        with aggregate_buffers() as handed:
+            got = lent.exchange([("w", bucket)], out=[bucket])
+        built_in_input += [b.data_ptr() == bucket.data_ptr() for _, b in handed]
         assert got[0] is bucket and torch.equal(expected[0], got[0])
     assert built_in_input[0] is in_place
 

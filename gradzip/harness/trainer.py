@@ -34,6 +34,7 @@ import gradzip
 from gradzip.compressors import Compressor, compressor_class, parse_value
 from gradzip.integrations.diloco import OPTIONS as OUTER_OPTIONS, check_options
 from gradzip.launcher import free_port, wait_for_workers
+from gradzip.state import check_group_vectors_below
 
 from .data import load_dataset
 from .models import build_model
@@ -132,9 +133,7 @@ class TrainConfig:
             value = getattr(self, key)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
                 raise ValueError(f"{key} must be a number of seconds > 0 or None, got {value!r}")
-        if isinstance(self.group_vectors_below, bool) or not isinstance(self.group_vectors_below, int) or self.group_vectors_below < 0:
-            raise ValueError(f"group_vectors_below must be an integer >= 0, got {self.group_vectors_below!r}")
-        if self.group_vectors_below and (self.baseline is not None or self.outer is not None):
+        if check_group_vectors_below(self.group_vectors_below) and (self.baseline is not None or self.outer is not None):
             raise ValueError("group_vectors_below applies to gradzip's DDP hook and DistributedOptimizer, not to a "
                              "baseline hook or an outer loop")
         if not 0 <= self.validation < 1:
