@@ -107,7 +107,14 @@ class Kernel:
         KERNELS.append(self)
 
     def __call__(self, *args, **static):
-        if _failure is not None or max(a.numel() for a in args if isinstance(a, torch.Tensor)) < self.min_numel:
+        if max(a.numel() for a in args if isinstance(a, torch.Tensor)) < self.min_numel:
+            return None
+        return self.run(*args, **static)
+
+    def run(self, *args, **static):
+        """The kernel without the size check, for a caller that applies it piecewise to one tensor and
+        checked that tensor's size against ``min_numel`` itself; None once fused kernels have failed."""
+        if _failure is not None:
             return None
         key = tuple(sorted(static.items()))
         try:

@@ -30,6 +30,7 @@ CASES = [
     ("efsignsgd", {}),
     ("signsgd", {}),
     ("signsgd", {"zeros": "plus"}),
+    ("signsgd", {"scaled": False}),
     ("signum", {}),
     ("signum", {"zeros": "plus", "scaled": False}),
     ("onebit", {}),
@@ -335,3 +336,27 @@ def test_a_failing_compiler_warns_once_and_falls_back_for_good(monkeypatch):
     expected = run("qsgd", {}, xs, monkeypatch, fused=False, same_draws=False)
     assert_same_bits(got, expected)
     assert_same_bits(again, expected)
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_ternary_vote_runs_its_kernel_on_every_plane(world, monkeypatch):
+    # The vote of signSGD's and Signum's ternary codes: planes 0-3 in one call, the shorter last plane
+    # in a second, on every rank; the same bits as the reference path's integer count.
+    ran = []
+    original = sign._trit_vote_planes.run
+    monkeypatch.setattr(sign._trit_vote_planes, "run", lambda *args, **static: ran.append(
+        (tuple(args[-1].shape), static["world"])) or original(*args, **static))
+    xs = inputs(world)
+    fused = run("signsgd", {}, xs, monkeypatch, fused=True)
+    m = -(-SHAPE[0] * SHAPE[1] // 5)
+    assert ran == [((4, m), world), ((1, SHAPE[0] * SHAPE[1] - 4 * m), world)] * world
+    assert_same_bits(fused, run("signsgd", {}, xs, monkeypatch, fused=False))
+
+
+def test_ternary_vote_of_many_ranks_keeps_the_reference_path(monkeypatch):
+    world = sign.FUSED_VOTE_WORLD + 1  # the kernel would unroll a sum over that many ranks
+    monkeypatch.setattr(sign, "_trit_vote_planes", None)  # any use of the kernel fails
+    gathered = [sign.encode_trits(x) for x in inputs(world)]
+    vote = sign.vote_of_trits(gathered, SHAPE, torch.empty(SHAPE))
+    counts = sum(sign.decode_trits(g, vote.numel()).long() for g in gathered)
+    assert torch.equal(vote.view(-1), counts.sign().float())

@@ -175,15 +175,60 @@ def decode_trits(packed: torch.Tensor, n: int) -> torch.Tensor:
     return out[:n]
 
 
-def vote_of_trits(gathered: list, shape, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """sign(sum_r t_r) of the ranks' packed ternary codes, counted as integers (float32, into ``out``
-    if given; ties 0)."""
+def vote_of_trits(gathered: list, shape, out: Optional[torch.Tensor] = None,
+                  scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """sign(sum_r t_r) of the ranks' packed ternary codes, counted as integers, times ``scale`` (a 0-d
+    float32) if given (float32, into ``out`` if given; ties 0)."""
     n, world = math.prod(shape), len(gathered)
+    if out is not None and out.is_contiguous() and _fused_trit_vote(gathered, n, scale, out.view(-1)):
+        return out.view(shape)
     dtype = torch.int8 if world < 2**7 else torch.int16 if world < 2**15 else torch.int32
     count = workspace("votes", TRITS_PER_BYTE * trits_nbytes(n), dtype, gathered[0].device)
     for r, packed in enumerate(gathered):
         _add_trits(count, packed, add=r > 0)
-    return _as_float(count[:n].sign_(), shape, out)
+    vote = _as_float(count[:n].sign_(), shape, out)
+    return vote if scale is None else vote.mul_(scale)
+
+
+#: The fused vote unrolls its sum over ranks (one compile per world size) up to this many ranks.
+FUSED_VOTE_WORLD = 16
+
+
+def _fused_trit_vote(gathered: list, n: int, scale: Optional[torch.Tensor], out: torch.Tensor) -> bool:
+    """:func:`vote_of_trits` into the flat float32 ``out`` by :func:`_trit_vote_planes`: planes 0-3
+    (whole) in one call, the last (the tail of ``out``) in a second; False where it does not apply."""
+    world, m = len(gathered), gathered[0].numel()
+    if not (world <= FUSED_VOTE_WORLD and n >= _trit_vote_planes.min_numel and kernels.enabled(n)):
+        return False
+    packed = torch.stack(gathered)
+    scale = torch.ones((), device=out.device) if scale is None else scale.reshape(())
+    inv_powers = _inverse_powers_of_3(out.device)
+    last = TRITS_PER_BYTE - 1
+    tail = out[last * m:]
+    return (_trit_vote_planes.run(packed, inv_powers[:last], scale, out[:last * m].view(last, m), world=world)
+            is not None
+            and _trit_vote_planes.run(packed[:, :tail.numel()], inv_powers[last:], scale, tail.view(1, -1),
+                                      world=world) is not None)
+
+
+@functools.lru_cache(maxsize=16)
+def _inverse_powers_of_3(device: torch.device) -> torch.Tensor:
+    return torch.tensor([3.0 ** -j for j in range(TRITS_PER_BYTE)], device=device)
+
+
+@kernels.fused(min_numel=kernels.LARGE_NUMEL)
+def _trit_vote_planes(packed, inv_powers, scale, out, *, world: int):
+    """out[j, b] = sign(sum_r t_rjb) * scale, where t_rjb = digit j (base 3) of packed[r, b], minus 1,
+    and ``inv_powers[j]`` is that digit's 3^-j.  Float32 arithmetic, exact: floor((b + 1/2) 3^-j) is
+    floor(b / 3^j) for a byte b (the 1/2 keeps the product at least 1/162 from an integer, far more than
+    its rounding error), and a sum of ``world`` digits in {-1, 0, 1} is exact; the product with the
+    scale is rounded once, as in the reference path's ``mul_``."""
+    count = None
+    for r in range(world):
+        q = torch.floor((packed[r].to(torch.float32).unsqueeze(0) + 0.5) * inv_powers.unsqueeze(1))
+        digits = q - 3 * torch.floor((q + 0.5) * (1 / 3)) - 1
+        count = digits if count is None else count + digits
+    return out.copy_(torch.sign(count) * scale)
 
 
 def _bits_bytes(ctx: TensorContext) -> int:
@@ -310,15 +355,18 @@ class _SignVote(GatheredCompressor):
         fields = self.compress(x, ctx)
         gathered = yield AllGather(tuple(fields), same_size=True)
         aggregate = ctx.buffer("aggregate", ctx.shape, torch.float32, x.device)
-        if self.ternary:
-            vote = vote_of_trits([f[-1] for f in gathered], ctx.shape, aggregate)
-        else:
-            vote = vote_of_bits([f[-1:] for f in gathered], ctx.shape, aggregate)
+        scale = None
         if self.scaled:  # summed in rank order: the same float on every rank
             scale = gathered[0][0].clone()
             for fields_r in gathered[1:]:
                 scale += fields_r[0]
-            vote.mul_(scale.div_(len(gathered)).reshape(()))
+            scale = scale.div_(len(gathered)).reshape(())
+        if self.ternary:
+            vote = vote_of_trits([f[-1] for f in gathered], ctx.shape, aggregate, scale)
+        else:
+            vote = vote_of_bits([f[-1:] for f in gathered], ctx.shape, aggregate)
+            if scale is not None:
+                vote.mul_(scale)
         own = gathered[ctx.rank]
         # Votes are -1, 0 or +1: |s V| <= |s|
         bound = scale.abs().reshape(()) if self.scaled else torch.ones(())
