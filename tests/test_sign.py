@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import gradzip
+from gradzip import testing
 from gradzip.collectives import LocalTransport, run_lockstep, simulate
 from gradzip.compressors import make
 from gradzip.compressors.base import TensorContext
@@ -399,3 +400,11 @@ def test_bad_feedback_and_unknown_params_are_rejected(name):
         make(name, feedback="bogus")
     with pytest.raises(ValueError, match="unknown parameter"):
         make(name, ratio=0.5)
+
+
+@pytest.mark.parametrize("params", [{"scaled": False}, {"scaled": False, "zeros": "plus"}, {"zeros": "plus"}], ids=str)
+@pytest.mark.parametrize("name", ["signsgd", "signum"])
+def test_every_vote_variant_turns_a_nonfinite_input_into_nan(name, params):
+    # Scaled votes leave the input's check to their scale (carries_nonfinite); unscaled ones cannot.
+    assert make(name, **params).carries_nonfinite == params.get("scaled", True)
+    testing.check_nonfinite(lambda: make(name, **params))

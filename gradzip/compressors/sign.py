@@ -71,13 +71,26 @@ def _momentum(m, x, *, beta: float):
     return m * beta + x * (1 - beta)  # fp32, no fused multiply-add: the reference's roundings
 
 
+#: Elements of |x| that :func:`mean_abs` writes and sums at a time (4 MB of fp32, summed while cached).
+ABS_CHUNK = 1 << 20
+
+
 def mean_abs(x: torch.Tensor) -> torch.Tensor:
     """||x||_1 / n as a 1-element float32 tensor (0 for an empty tensor)."""
     # Sum / max(n, 1) instead of mean(): an empty tensor gets scale 0, not NaN.
-    # |x| into a reused buffer, unless x's own layout sets the order of the sum.
-    magnitudes = (torch.abs(x, out=workspace("abs", x.numel(), x.dtype, x.device).view(x.shape))
-                  if x.is_contiguous() else x.abs())
-    return (magnitudes.sum(dtype=torch.float32) / max(x.numel(), 1)).reshape(1)
+    n = x.numel()
+    if not x.is_contiguous():  # x's own layout sets the order of the sum
+        return (x.abs().sum(dtype=torch.float32) / max(n, 1)).reshape(1)
+    # |x| a chunk at a time into a reused buffer, each chunk summed while it is in the cache, then the
+    # chunk sums: 25M elements in 1.4 passes over memory, against 2 for all of |x| written, then summed.
+    flat = x.reshape(-1)
+    scratch = workspace("abs", min(n, ABS_CHUNK), x.dtype, x.device)
+    starts = range(0, n, ABS_CHUNK)
+    sums = torch.empty(len(starts), dtype=torch.float32, device=x.device)
+    for i, start in enumerate(starts):
+        chunk = torch.abs(flat[start:start + ABS_CHUNK], out=scratch[:min(ABS_CHUNK, n - start)])
+        torch.sum(chunk, 0, dtype=torch.float32, out=sums[i])
+    return (sums.sum() / max(n, 1)).reshape(1)
 
 
 def encode_signs(x: torch.Tensor) -> torch.Tensor:
@@ -327,6 +340,12 @@ class _SignVote(GatheredCompressor):
             raise ValueError(f"zeros must be one of {list(ZEROS)}, got {zeros!r}")
         self.scaled = scaled
         self.zeros = zeros
+
+    @property
+    def carries_nonfinite(self) -> bool:
+        # Scaled, a NaN or Inf in any rank's input makes its ||y_r||_1 / n non-finite, hence the summed
+        # scale on every rank, and the bound of s * V that the owner checks: the input need not be read.
+        return self.scaled
 
     def signs_of(self, x: torch.Tensor, ctx: TensorContext) -> torch.Tensor:
         """The tensor whose signs are sent (the input for signSGD, the momentum for Signum)."""
