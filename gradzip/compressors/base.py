@@ -279,8 +279,9 @@ class Compressor:
     #: True when the method decides from wall-clock measurements (auto): two runs of the same inputs may
     #: then differ, so checks that compare two runs compare only what does not depend on the clock.
     measures_time: ClassVar[bool] = False
-    #: True when every NaN and Inf of the input reaches the aggregate (dense casts and sums): the
-    #: owner's check of the aggregate then finds it, and the owner skips its read of the input.
+    #: True when every NaN and Inf of the input reaches the aggregate (dense casts and sums, or a scale
+    #: computed from the whole input): the owner's check of the aggregate then finds it, and the owner
+    #: skips its read of the input.
     carries_nonfinite: ClassVar[bool] = False
     #: True when :meth:`exchange` reads its input only before it takes its aggregate buffer
     #: (``ctx.buffer("aggregate", ...)``) and no payload field shares the input's memory.  Without error
