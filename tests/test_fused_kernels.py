@@ -1,9 +1,9 @@
 """The fused kernels (gradzip.kernels) give the reference paths' results bit for bit, and fall back to them.
 
 With the thresholds lowered to 2^16 elements (the defaults, 2^20 and 2^24, would make these tests slow),
-tensors just above that take the fused paths (sizes divisible by none of 4, 5, 8 or
-QSGD's bucket size, so every padded tail is exercised); ``GRADZIP_FUSED=0`` gives the reference path in
-the same process, from the same private random draws.  Each kernel compiles once per process and
+tensors just above that take the fused paths (65,792 elements: divisible by neither 5 nor QSGD's bucket
+size, so those padded tails are exercised; a test below adds a partly used last byte of sign bits);
+``GRADZIP_FUSED=0`` gives the reference path in the same process, from the same private random draws.  Each kernel compiles once per process and
 specialisation (a few seconds each), so the cases here are few and small.
 """
 from __future__ import annotations
@@ -360,3 +360,21 @@ def test_ternary_vote_of_many_ranks_keeps_the_reference_path(monkeypatch):
     vote = sign.vote_of_trits(gathered, SHAPE, torch.empty(SHAPE))
     counts = sum(sign.decode_trits(g, vote.numel()).long() for g in gathered)
     assert torch.equal(vote.view(-1), counts.sign().float())
+
+
+@pytest.mark.parametrize("length", [None, SHAPE[0] * SHAPE[1] + 3])  # whole bytes; a last byte partly used
+@pytest.mark.parametrize("world", [1, 3])
+def test_efsignsgd_mean_comes_from_its_kernel(world, length, monkeypatch):
+    results = []
+    kernel = sign._mean_of_scaled_signs
+
+    def counted(*args, **static):
+        result = kernel(*args, **static)
+        results.append((static["world"], result is not None))
+        return result
+
+    monkeypatch.setattr(sign, "_mean_of_scaled_signs", counted)
+    xs = inputs(world) if length is None else [torch.cat([x.view(-1), x.view(-1)[:3] - 1]) for x in inputs(world)]
+    fused = run("efsignsgd", {}, xs, monkeypatch, fused=True)
+    assert results == [(world, True)] * world  # on every rank, its result used
+    assert_same_bits(fused, run("efsignsgd", {}, xs, monkeypatch, fused=False))

@@ -67,6 +67,20 @@ def _minus_scaled_signs(p, scale):
 
 
 @kernels.fused(min_numel=kernels.LARGE_NUMEL)
+def _mean_of_scaled_signs(packed, scales, out, *, world: int):
+    """EF-signSGD's aggregate over whole bytes: out[k, j] = (sum_r scales[r] * sign_rkj) / world in rank
+    order, sign_rkj = +-1 from bit j of packed[r, k]: the reference's roundings (each product is exact).
+    ``out`` is viewed (bytes, 8), so that no element's byte is found by a division."""
+    shifts = torch.arange(8, dtype=torch.int32, device=packed.device)
+    total = None
+    for r in range(world):
+        bits = (packed[r].to(torch.int32).unsqueeze(-1) >> shifts) & 1
+        term = scales[r] * (bits.to(torch.float32) * 2 - 1)
+        total = term if total is None else total + term
+    return out.copy_(total / world)
+
+
+@kernels.fused(min_numel=kernels.LARGE_NUMEL)
 def _momentum(m, x, *, beta: float):
     return m * beta + x * (1 - beta)  # fp32, no fused multiply-add: the reference's roundings
 
@@ -514,11 +528,26 @@ class EFSignSGD(GatheredCompressor):
         return torch.stack([fields[0].reshape(()).abs() for fields in gathered]).sum()
 
     def decoded_mean(self, gathered, ctx):
-        # combine()'s sum in rank order, each rank decoded into reused memory: the same floats.
-        total = self.decompress(gathered[0], ctx, ctx.buffer("aggregate", ctx.shape, torch.float32, gathered[0][1].device))
-        for fields in gathered[1:]:
-            total += self.decompress(fields, ctx, workspace("decoded", ctx.shape.numel(), torch.float32,
-                                                            total.device).view(ctx.shape))
+        n, world = ctx.shape.numel(), len(gathered)
+        aggregate = ctx.buffer("aggregate", ctx.shape, torch.float32, gathered[0][1].device)
+        whole = n // 8
+        flat = aggregate.view(-1)
+        if world <= FUSED_VOTE_WORLD and kernels.enabled(n) and _mean_of_scaled_signs(
+                torch.stack([fields[1][:whole] for fields in gathered]),
+                torch.cat([fields[0].reshape(1) for fields in gathered]), flat[:8 * whole].view(whole, 8),
+                world=world) is not None:
+            if n > 8 * whole:  # the last, partly used byte, as the reference decodes it
+                flat[8 * whole:] = self._decoded_mean([(s, p[whole:]) for s, p in gathered], n - 8 * whole)
+            return aggregate
+        return self._decoded_mean(gathered, n, aggregate).view(ctx.shape)
+
+    @staticmethod
+    def _decoded_mean(gathered, n: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """combine()'s mean of the first n elements of the ranks' deltas, summed in rank order, each
+        rank decoded as :meth:`decompress` does, into reused memory: the same floats (1-D)."""
+        total = decode_signs(gathered[0][1], (n,), out).mul_(gathered[0][0].reshape(()))
+        for scale, packed in gathered[1:]:
+            total += decode_signs(packed, (n,), workspace("decoded", n, torch.float32, total.device)).mul_(scale.reshape(()))
         return total.div_(len(gathered))
 
     def payload_bytes(self, ctx, kept=None):
