@@ -134,7 +134,7 @@ class Residual(Feedback):
         if e is None:
             p = x
         elif ctx.check_input:
-            p = _checked_add(x, e, ctx)
+            p = _checked_add(x, e, ctx, compressor.read_while_written(ctx) if compressed else None)
         else:
             p = torch.add(x, e, out=ctx.spare("residual", e))
         result = yield from run(p, ctx)
@@ -283,14 +283,22 @@ def _checkable(g: torch.Tensor) -> bool:
     return g.device.type == "cpu" and g.is_contiguous() and g.numel() >= kernels.CHECK_CHUNK
 
 
-def _checked_add(x: torch.Tensor, e: torch.Tensor, ctx: TensorContext) -> torch.Tensor:
-    """x + e into ``e``'s spare memory, checked as it is written (:func:`kernels.written_finite`);
-    if it holds NaN or Inf, ``ctx.input_nonfinite`` is set and the sum zeroed (the step is discarded,
-    and compressors never see non-finite values)."""
+def _checked_add(x: torch.Tensor, e: torch.Tensor, ctx: TensorContext, observe=None) -> torch.Tensor:
+    """x + e into ``e``'s spare memory, checked as it is written (:func:`kernels.written_finite`), each
+    chunk also handed to ``observe`` (:meth:`Compressor.read_while_written`) while it is cached; if it
+    holds NaN or Inf, ``ctx.input_nonfinite`` is set and the sum zeroed (the step is discarded, and
+    compressors never see non-finite values, nor what was computed from them)."""
     p = ctx.spare("residual", e)
     xs, es, ps = x.reshape(-1), e.reshape(-1), p.view(-1)
-    if not kernels.written_finite(p, lambda a, b: torch.add(xs[a:b], es[a:b], out=ps[a:b])):
+
+    def write(a, b):
+        torch.add(xs[a:b], es[a:b], out=ps[a:b])
+        if observe is not None:
+            observe(ps, a, b)
+
+    if not kernels.written_finite(p, write):
         ctx.input_nonfinite = True
+        ctx.precomputed = None
         p.nan_to_num_(0.0, 0.0, 0.0)
     return p
 

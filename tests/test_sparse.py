@@ -674,3 +674,45 @@ def test_adaptive_threshold_keeps_the_largest_of_each_sign_and_their_means(case)
             assert torch.allclose(mean, sign * expected.mean(), rtol=1e-5, atol=0)
         else:
             assert case == "one sign" and sign < 0 and float(mean) == 0.0
+
+
+def _csc_steps(world, chunk_size, shape=(600, 500), steps=3, into=True):
+    """Every rank's aggregates and residuals over a few CSC steps, ranks as threads (ThreadGroup)."""
+    import threading
+
+    from gradzip.collectives import ThreadGroup
+    group, results = ThreadGroup(world), [None] * world
+
+    def worker(rank):
+        state = GradzipState("csc", ratio=0.05, chunk_size=chunk_size, transport=group.transport(rank))
+        seen = []
+        for step in range(steps):
+            g = torch.randn(shape, generator=torch.Generator().manual_seed(100 * rank + step))
+            out = state.exchange([("w", g)], out=[g] if into else None)[0]
+            seen.append((out.clone(), state.tensors["w"]["residual"].clone()))
+        results[rank] = seen
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+@pytest.mark.parametrize("chunk_size", [256, 100])  # 100 divides no cached chunk: norms read again
+@pytest.mark.parametrize("world", [1, 3])
+def test_csc_norms_taken_while_residual_feedback_writes_are_the_same_bits(world, chunk_size, monkeypatch):
+    from gradzip.compressors.sparse import CSC
+    observed = []
+    original = CSC.read_while_written
+    monkeypatch.setattr(CSC, "read_while_written", lambda self, ctx: observed.append(original(self, ctx)) or observed[-1])
+    taken = _csc_steps(world, chunk_size)
+    # Residual feedback checks g + e as it writes it from the second step on (a 300,000-element tensor).
+    assert len(observed) == world * 2 and all((f is not None) == (chunk_size == 256) for f in observed)
+    monkeypatch.setattr(CSC, "read_while_written", lambda self, ctx: None)
+    again = _csc_steps(world, chunk_size)
+    for rank_taken, rank_again in zip(taken, again):
+        for (out_a, e_a), (out_b, e_b) in zip(rank_taken, rank_again):
+            assert torch.equal(out_a.view(torch.int32), out_b.view(torch.int32))
+            assert torch.equal(e_a.view(torch.int32), e_b.view(torch.int32))

@@ -192,6 +192,8 @@ class TensorContext:
     #: once more; feedback then sets ``input_nonfinite`` before the first collective.
     check_input: bool = False
     input_nonfinite: bool = False
+    #: What :meth:`Compressor.read_while_written` computed as the input was written, or None.
+    precomputed: Any = None
 
     def get(self, name: str, default: Any = None) -> Any:
         return self.updates.get(name, self.state.get(name, default))
@@ -313,6 +315,14 @@ class Compressor:
     def compresses(self, ctx: TensorContext) -> bool:
         """Whether this tensor is compressed at all; if not it is averaged densely in fp32."""
         return True
+
+    def read_while_written(self, ctx: TensorContext) -> Optional[Callable[[torch.Tensor, int, int], None]]:
+        """Optional: where error feedback writes the compensated input a cached chunk at a time (large
+        CPU tensors), a function it calls with (the flat input, start, stop) after writing each chunk
+        [start, stop), for per-element work that would otherwise cost a pass over memory of its own
+        (CSC's chunk norms).  It leaves its results in ``ctx.precomputed``, which the exchange then
+        reads; None (the default), and on a non-finite input, leave ``ctx.precomputed`` None."""
+        return None
 
     def allreduce_dtype(self, ctx: TensorContext) -> Optional[torch.dtype]:
         """The dtype in which one plain allreduce of x / N gives exactly what this method's exchange,

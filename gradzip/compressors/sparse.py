@@ -671,15 +671,33 @@ class CSC(SharedSparsifier):
         flat = x.reshape(-1).float()
         n, c = flat.numel(), self.chunk_size
         nchunks = -(-n // c)
-        norms = yield AllReduce(self.chunk_norms(flat, nchunks))
+        norms = yield AllReduce(self.chunk_norms(flat, nchunks, ctx.precomputed))
         # Every rank holds the same summed norms, and the stable sort breaks ties by chunk id, so all
         # ranks pick the same chunks in the same (ascending) order.
         top = largest_first(norms, math.ceil(self.ratio * nchunks))
         idx = (top.unsqueeze(1) * c + torch.arange(c, device=x.device)).reshape(-1)
         return (yield from self.reduce_at(flat, idx[idx < n], ctx))
 
-    def chunk_norms(self, flat: torch.Tensor, nchunks: int) -> torch.Tensor:
-        """L1 norm of every chunk, the last one zero-padded to ``chunk_size``."""
+    def read_while_written(self, ctx):
+        # The norms of the whole chunks, from each cached chunk of p = g + e as residual feedback writes
+        # it: chunks of chunk_size elements lie whole within its chunks when chunk_size divides them.
+        c = self.chunk_size
+        if c > _SERIAL_ROW or kernels.CHECK_CHUNK % c:
+            return None
+        full = ctx.shape.numel() // c
+        norms = ctx.precomputed = ctx.buffer("chunk norms", (full,), torch.float32, torch.device("cpu"))
+        scratch = workspace("abs", kernels.CHECK_CHUNK, torch.float32, torch.device("cpu")).view(-1, c)
+
+        def observe(p, start, stop):
+            rows = (min(stop, full * c) - start) // c
+            block = torch.abs(p[start:start + rows * c].view(rows, c), out=scratch[:rows])
+            torch.sum(block, dim=1, out=norms[start // c:start // c + rows])
+
+        return observe
+
+    def chunk_norms(self, flat: torch.Tensor, nchunks: int, whole: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """L1 norm of every chunk, the last one zero-padded to ``chunk_size`` (``whole``: those of the
+        whole chunks, computed already by :meth:`read_while_written`)."""
         n, c = flat.numel(), self.chunk_size
         full = n // c
         if c > _SERIAL_ROW:  # a long single row is summed in parallel pieces: pad it with the rest
@@ -687,13 +705,15 @@ class CSC(SharedSparsifier):
         # Only the last chunk is padded (copying the whole tensor to pad it would cost a pass); each row
         # is summed by the same serial loop, so the norms are those of the padded matrix, bit for bit.
         # |x| is written a block of rows at a time and summed while the block is in the cache.
-        rows = max(1, _NORM_BLOCK // c)
-        body = flat[: full * c].view(full, c)
-        scratch = workspace("abs", min(rows, full) * c, flat.dtype, flat.device).view(-1, c)
-        norms = torch.empty(full, dtype=flat.dtype, device=flat.device)
-        for start in range(0, full, rows):
-            block = torch.abs(body[start : start + rows], out=scratch[: min(rows, full - start)])
-            torch.sum(block, dim=1, out=norms[start : start + rows])
+        norms = whole
+        if norms is None:
+            rows = max(1, _NORM_BLOCK // c)
+            body = flat[: full * c].view(full, c)
+            scratch = workspace("abs", min(rows, full) * c, flat.dtype, flat.device).view(-1, c)
+            norms = torch.empty(full, dtype=flat.dtype, device=flat.device)
+            for start in range(0, full, rows):
+                block = torch.abs(body[start : start + rows], out=scratch[: min(rows, full - start)])
+                torch.sum(block, dim=1, out=norms[start : start + rows])
         if full < nchunks:
             last = flat.new_zeros(1, c)
             last[0, : n - full * c] = flat[full * c :]
