@@ -155,11 +155,14 @@ def test_nan_and_inf_as_the_reference(name, params, monkeypatch):
 @pytest.mark.parametrize("name, params", [("qsgd", {}), ("qsgd", {"levels": 7, "norm": "max"}), ("terngrad", {}),
                                           ("natural", {})])
 def test_decoding_by_byte_table_equals_the_kernels_and_unpacking(name, params, world, monkeypatch, calls):
-    # CPUs decode 2-, 4- and 8-bit codes by looking up whole bytes; the fused decoding kernels (GPUs) and
-    # the unpacking reference give the same aggregate and the same decoded own payload, bit for bit.
+    # CPUs decode 2-, 4- and 8-bit codes by looking up whole bytes where no decoding kernel runs (natural
+    # compression's mean has one on every device); the fused decoding kernels and the unpacking reference
+    # give the same aggregate and the same decoded own payload, bit for bit.
     xs = [x.reshape(-1)[:-1].clone() for x in inputs(world, seed=6)]  # 65,791: a part-filled last byte
     xs[0][9:12] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    monkeypatch.setattr(quantize, "FUSED_DECODE_WORLD", 0)  # natural's mean kernel: never
     table = run(name, params, xs, monkeypatch, fused=True)
+    monkeypatch.setattr(quantize, "FUSED_DECODE_WORLD", 16)
     monkeypatch.setattr(quantize, "_TABLE_DECODE", ())
     decoding = {"n": calls["n"]}
     assert_same_bits(table, run(name, params, xs, monkeypatch, fused=True))
@@ -344,8 +347,8 @@ def test_ternary_vote_runs_its_kernel_on_every_plane(world, monkeypatch):
     # in a second, on every rank; the same bits as the reference path's integer count.
     ran = []
     original = sign._trit_vote_planes.run
-    monkeypatch.setattr(sign._trit_vote_planes, "run", lambda *args, **static: ran.append(
-        (tuple(args[-1].shape), static["world"])) or original(*args, **static))
+    monkeypatch.setattr(sign._trit_vote_planes, "run", lambda out, *args: ran.append(
+        (tuple(out.shape), len(args) - 2)) or original(out, *args))
     xs = inputs(world)
     fused = run("signsgd", {}, xs, monkeypatch, fused=True)
     m = -(-SHAPE[0] * SHAPE[1] // 5)
@@ -368,9 +371,9 @@ def test_efsignsgd_mean_comes_from_its_kernel(world, length, monkeypatch):
     results = []
     kernel = sign._mean_of_scaled_signs
 
-    def counted(*args, **static):
-        result = kernel(*args, **static)
-        results.append((static["world"], result is not None))
+    def counted(out, scales, *packed):
+        result = kernel(out, scales, *packed)
+        results.append((len(packed), result is not None))
         return result
 
     monkeypatch.setattr(sign, "_mean_of_scaled_signs", counted)
@@ -378,3 +381,21 @@ def test_efsignsgd_mean_comes_from_its_kernel(world, length, monkeypatch):
     fused = run("efsignsgd", {}, xs, monkeypatch, fused=True)
     assert results == [(world, True)] * world  # on every rank, its result used
     assert_same_bits(fused, run("efsignsgd", {}, xs, monkeypatch, fused=False))
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_natural_mean_comes_from_its_kernel_on_cpus(world, monkeypatch):
+    results = []
+    kernel = quantize._natural_mean
+
+    def counted(out, *codes):
+        result = kernel(out, *codes)
+        results.append((len(codes), result is not None))
+        return result
+
+    monkeypatch.setattr(quantize, "_natural_mean", counted)
+    xs = inputs(world, seed=8)
+    xs[0][5, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])  # decoded to NaN
+    fused = run("natural", {}, xs, monkeypatch, fused=True)
+    assert results == [(world, True)] * world
+    assert_same_bits(fused, run("natural", {}, xs, monkeypatch, fused=False))

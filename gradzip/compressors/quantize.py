@@ -430,10 +430,18 @@ def _natural_encode(flat, draws):
     return torch.where(biased == 0xFF, Natural._NONFINITE, e | (negative << 7)).to(torch.uint8)
 
 
+#: The decoding kernels unroll their sum over ranks (one compile per world size) up to this many ranks.
+FUSED_DECODE_WORLD = 16
+
+
 @kernels.fused
-def _natural_mean(codes, *, world: int):
-    """The mean over rows (ranks) of the codes' values (as :func:`_natural_values`, computed instead of
-    looked up), summed in rank order and divided as :meth:`GatheredCompressor.combine` does."""
+def _natural_mean(out, *codes):
+    """The mean over the ranks' ``codes`` of their values (as :func:`_natural_values`, computed instead
+    of looked up), summed in rank order and divided as :meth:`GatheredCompressor.combine` does, into
+    ``out``: one byte read per rank and element, where the byte table's path gathers, converts and
+    divides in passes of their own (25M elements at world size 1: 3.2 ms against 18.7).  The ranks'
+    codes come as separate arguments, not stacked: a stacked copy costs more than the decoding."""
+    world = len(codes)
     total = None
     for r in range(world):
         c = codes[r].to(torch.int32)
@@ -441,7 +449,7 @@ def _natural_mean(codes, *, world: int):
         magnitude = torch.where(e > 0, ((e + 63) << 23).view(torch.float32), 0.0)
         value = torch.where(c == Natural._NONFINITE, math.nan, torch.where((c & 0x80) != 0, -magnitude, magnitude))
         total = value if total is None else total + value
-    return total / world
+    return out.copy_(total / world)
 
 
 @register
@@ -460,6 +468,7 @@ class Natural(GatheredCompressor):
     name = "natural"
     deterministic = False
     done_with_input_early = True
+    carries_nonfinite = True  # a NaN or Inf is sent as 0x80 and decoded to NaN: the aggregate shows it
     _NONFINITE = 0x80
 
     def __init__(self, feedback: Optional[str] = None):
@@ -506,13 +515,21 @@ class Natural(GatheredCompressor):
         return lookup_codes(codes, _natural_values(codes.device).view(256, 1), out.numel(), out, index)
 
     def decoded_mean(self, gathered, ctx):
-        n = ctx.shape.numel()
+        n, world, device = ctx.shape.numel(), len(gathered), gathered[0][0].device
+        if world <= FUSED_DECODE_WORLD and kernels.enabled(n):
+            aggregate = ctx.buffer("aggregate", (n,), torch.float32, device)
+            if _natural_mean(aggregate, *(f[0] for f in gathered)) is not None:
+                return aggregate.view(ctx.shape)
         if _table_decodes(gathered[0][0], 8):
             return self.mean_decoded_into(gathered, ctx, self._table_decode)
-        if not kernels.enabled(n):
-            return None
-        mean = _natural_mean(torch.stack([f[0] for f in gathered]), world=len(gathered))
-        return None if mean is None else mean.reshape(ctx.shape)
+        return None
+
+    def aggregate_bound(self, gathered, ctx):
+        # Every value, so the mean, is at most 2^63 in magnitude, unless a rank sent the code 0x80 (-128
+        # as int8: a NaN or Inf input, decoded to NaN): one read of the codes, a byte per element,
+        # instead of the aggregate's four.
+        marked = any(bool(codes.view(torch.int8).min() == -128) for (codes,) in gathered if codes.numel())
+        return torch.tensor(math.nan if marked else 2.0**63)
 
     def payload_bytes(self, ctx, kept=None):
         return ctx.shape.numel()

@@ -67,11 +67,13 @@ def _minus_scaled_signs(p, scale):
 
 
 @kernels.fused(min_numel=kernels.LARGE_NUMEL)
-def _mean_of_scaled_signs(packed, scales, out, *, world: int):
+def _mean_of_scaled_signs(out, scales, *packed):
     """EF-signSGD's aggregate over whole bytes: out[k, j] = (sum_r scales[r] * sign_rkj) / world in rank
-    order, sign_rkj = +-1 from bit j of packed[r, k]: the reference's roundings (each product is exact).
-    ``out`` is viewed (bytes, 8), so that no element's byte is found by a division."""
-    shifts = torch.arange(8, dtype=torch.int32, device=packed.device)
+    order, sign_rkj = +-1 from bit j of the r-th ``packed``'s byte k: the reference's roundings (each
+    product is exact).  ``out`` is viewed (bytes, 8), so that no element's byte is found by a division;
+    the ranks' bytes come as separate arguments (a stacked copy would cost more than it saves)."""
+    world = len(packed)
+    shifts = torch.arange(8, dtype=torch.int32, device=out.device)
     total = None
     for r in range(world):
         bits = (packed[r].to(torch.int32).unsqueeze(-1) >> shifts) & 1
@@ -227,15 +229,13 @@ def _fused_trit_vote(gathered: list, n: int, scale: Optional[torch.Tensor], out:
     world, m = len(gathered), gathered[0].numel()
     if not (world <= FUSED_VOTE_WORLD and n >= _trit_vote_planes.min_numel and kernels.enabled(n)):
         return False
-    packed = torch.stack(gathered)
     scale = torch.ones((), device=out.device) if scale is None else scale.reshape(())
     inv_powers = _inverse_powers_of_3(out.device)
     last = TRITS_PER_BYTE - 1
     tail = out[last * m:]
-    return (_trit_vote_planes.run(packed, inv_powers[:last], scale, out[:last * m].view(last, m), world=world)
-            is not None
-            and _trit_vote_planes.run(packed[:, :tail.numel()], inv_powers[last:], scale, tail.view(1, -1),
-                                      world=world) is not None)
+    return (_trit_vote_planes.run(out[:last * m].view(last, m), inv_powers[:last], scale, *gathered) is not None
+            and _trit_vote_planes.run(tail.view(1, -1), inv_powers[last:], scale,
+                                      *(packed[:tail.numel()] for packed in gathered)) is not None)
 
 
 @functools.lru_cache(maxsize=16)
@@ -244,14 +244,15 @@ def _inverse_powers_of_3(device: torch.device) -> torch.Tensor:
 
 
 @kernels.fused(min_numel=kernels.LARGE_NUMEL)
-def _trit_vote_planes(packed, inv_powers, scale, out, *, world: int):
-    """out[j, b] = sign(sum_r t_rjb) * scale, where t_rjb = digit j (base 3) of packed[r, b], minus 1,
-    and ``inv_powers[j]`` is that digit's 3^-j.  Float32 arithmetic, exact: floor((b + 1/2) 3^-j) is
+def _trit_vote_planes(out, inv_powers, scale, *packed):
+    """out[j, b] = sign(sum_r t_rjb) * scale, where t_rjb = digit j (base 3) of the r-th ``packed``'s
+    byte b, minus 1, and ``inv_powers[j]`` is that digit's 3^-j (the ranks' bytes as separate arguments:
+    a stacked copy would cost more than it saves).  Float32 arithmetic, exact: floor((b + 1/2) 3^-j) is
     floor(b / 3^j) for a byte b (the 1/2 keeps the product at least 1/162 from an integer, far more than
     its rounding error), and a sum of ``world`` digits in {-1, 0, 1} is exact; the product with the
     scale is rounded once, as in the reference path's ``mul_``."""
     count = None
-    for r in range(world):
+    for r in range(len(packed)):
         q = torch.floor((packed[r].to(torch.float32).unsqueeze(0) + 0.5) * inv_powers.unsqueeze(1))
         digits = q - 3 * torch.floor((q + 0.5) * (1 / 3)) - 1
         count = digits if count is None else count + digits
@@ -533,9 +534,8 @@ class EFSignSGD(GatheredCompressor):
         whole = n // 8
         flat = aggregate.view(-1)
         if world <= FUSED_VOTE_WORLD and kernels.enabled(n) and _mean_of_scaled_signs(
-                torch.stack([fields[1][:whole] for fields in gathered]),
-                torch.cat([fields[0].reshape(1) for fields in gathered]), flat[:8 * whole].view(whole, 8),
-                world=world) is not None:
+                flat[:8 * whole].view(whole, 8), torch.cat([fields[0].reshape(1) for fields in gathered]),
+                *(fields[1][:whole] for fields in gathered)) is not None:
             if n > 8 * whole:  # the last, partly used byte, as the reference decodes it
                 flat[8 * whole:] = self._decoded_mean([(s, p[whole:]) for s, p in gathered], n - 8 * whole)
             return aggregate
