@@ -399,3 +399,24 @@ def test_natural_mean_comes_from_its_kernel_on_cpus(world, monkeypatch):
     fused = run("natural", {}, xs, monkeypatch, fused=True)
     assert results == [(world, True)] * world
     assert_same_bits(fused, run("natural", {}, xs, monkeypatch, fused=False))
+
+
+@pytest.mark.parametrize("offset", [0, 1])  # a rank's codes at an odd offset in a fused receive buffer
+def test_terngrad_mean_kernel_reads_words_where_aligned(offset, monkeypatch):
+    from gradzip.bits import pack_bits
+    n = SHAPE[0] * SHAPE[1] - 3  # a part-filled last word
+    gen = torch.Generator().manual_seed(9)
+    packed = []
+    for _ in range(3):
+        payload = pack_bits(torch.randint(0, 3, (n,), generator=gen, dtype=torch.uint8), 2)
+        buffer = torch.zeros(payload.numel() + 1, dtype=torch.uint8)
+        buffer[offset:offset + payload.numel()] = payload
+        packed.append(buffer[offset:offset + payload.numel()])
+    widths = []
+    kernel = quantize._terngrad_mean
+    monkeypatch.setattr(quantize, "_terngrad_mean", lambda *args, per: widths.append(per) or kernel(*args, per=per))
+    s = torch.tensor([0.37])
+    fused = quantize._ternary_mean(packed, s, n, torch.empty(n))
+    assert widths == [8 if offset % 2 == 0 else 4]
+    monkeypatch.setenv("GRADZIP_FUSED", "0")  # the byte table's path
+    assert torch.equal(bits_of(fused), bits_of(quantize._ternary_mean(packed, s, n, torch.empty(n))))
