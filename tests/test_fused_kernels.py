@@ -420,3 +420,40 @@ def test_terngrad_mean_kernel_reads_words_where_aligned(offset, monkeypatch):
     assert widths == [8 if offset % 2 == 0 else 4]
     monkeypatch.setenv("GRADZIP_FUSED", "0")  # the byte table's path
     assert torch.equal(bits_of(fused), bits_of(quantize._ternary_mean(packed, s, n, torch.empty(n))))
+
+
+@pytest.mark.parametrize("world", [1, 3])
+@pytest.mark.parametrize("params", [{}, {"levels": 7, "norm": "max"}, {"bucket_size": 510}], ids=str)
+def test_qsgd_mean_comes_from_its_kernel_where_codes_tile_the_buckets(params, world, monkeypatch):
+    # Whole buckets in the kernel, laid out (bucket, word, code); the last, part-filled bucket as the
+    # reference decodes it.  A bucket size whose codes do not fill whole bytes keeps the table.
+    results = []
+    kernel = quantize._qsgd_mean
+    monkeypatch.setattr(quantize, "_qsgd_mean", lambda *args, **static: results.append(static["per"])
+                        or kernel(*args, **static))
+    xs = [x.reshape(-1)[:-1].clone() for x in inputs(world, seed=7)]  # 65,791 elements: 128 whole buckets
+    fused = run("qsgd", params, xs, monkeypatch, fused=True)
+    tiled = params.get("bucket_size", 512) == 512
+    assert results == ([{1: 8, 7: 4}[params.get("levels", 1)]] * world if tiled else [])  # int16 words
+    assert_same_bits(fused, run("qsgd", params, xs, monkeypatch, fused=False))
+
+
+@pytest.mark.parametrize("offset", [0, 1])  # a rank's codes at an odd offset in a fused receive buffer
+def test_qsgd_mean_kernel_reads_words_where_aligned(offset, monkeypatch):
+    comp = make("qsgd")
+    n, world = SHAPE[0] * SHAPE[1] - 5, 3
+    gathered = []
+    for r, x in enumerate(inputs(world, seed=10)):
+        norms, codes = comp.compress(x.reshape(-1)[:n], TensorContext(key="w", shape=(n,), dtype=x.dtype, step=1, rank=r))
+        buffer = torch.zeros(codes.numel() + 1, dtype=torch.uint8)
+        buffer[offset:offset + codes.numel()] = codes
+        gathered.append((norms, buffer[offset:offset + codes.numel()]))
+    widths = []
+    kernel = quantize._qsgd_mean
+    monkeypatch.setattr(quantize, "_qsgd_mean", lambda *args, **static: widths.append(static["per"])
+                        or kernel(*args, **static))
+    ctx = TensorContext(key="w", shape=torch.Size([n]), dtype=torch.float32, world_size=world)
+    fused = comp.decoded_mean(gathered, ctx).clone()
+    assert widths == [8 if offset % 2 == 0 else 4]
+    monkeypatch.setattr(quantize, "FUSED_DECODE_WORLD", 0)  # the byte table's path
+    assert torch.equal(bits_of(fused), bits_of(comp.decoded_mean(gathered, ctx)))

@@ -158,16 +158,21 @@ def _qsgd_encode(flat, scale, draws, *, s: int, bs: int, bits: int):
 
 
 @kernels.fused
-def _qsgd_mean(packed, steps, n: int, *, bs: int, bits: int, world: int):
-    """The mean over rows (ranks) of Q = (sign * xi) * (||v|| / s), from packed codes and per-bucket
-    steps, summed in rank order and divided as :meth:`GatheredCompressor.combine` does, in one loop."""
+def _qsgd_mean(out, steps, *packed, bits: int, per: int):
+    """The mean over ranks of Q = (sign * xi) * (||v|| / s) for whole buckets, summed in rank order and
+    divided as :meth:`GatheredCompressor.combine` does, into ``out`` laid out (bucket, word, code):
+    ``packed[r]`` (buckets, words) holds rank r's codes in words of ``per`` codes (bytes, or pairs of
+    bytes read as int16 where that gives 8 codes, a float32 vector's width), ``steps`` (ranks,
+    buckets).  No element's word or bucket is found by a division (a flat layout's loop stays scalar
+    on CPUs); the ranks' codes come as separate arguments, not as a stacked copy."""
+    shifts = torch.arange(0, bits * per, bits, dtype=torch.int32, device=out.device)
     total = None
-    for r in range(world):
-        codes = kernels.unpack_codes(packed[r], bits, n)
+    for r, words in enumerate(packed):
+        codes = (words.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
         value = (codes >> 1).to(torch.float32) * (1 - 2 * (codes & 1)).to(torch.float32)
-        value = value * kernels.repeat_each(steps[r], bs, n)
+        value = value * steps[r].view(-1, 1, 1)
         total = value if total is None else total + value
-    return total / world
+    return out.copy_(total / len(packed))
 
 
 @register
@@ -257,13 +262,17 @@ class QSGD(GatheredCompressor):
             return self._table_decode(fields, value).view(ctx.shape)
         value = self._decoded_kernel([fields], ctx)
         if value is None:
-            codes = unpack_bits(packed, self._bits, n)
-            if self._bits <= 8:
-                index = workspace("codes", n, torch.int32, codes.device).copy_(codes)
-                value = self._scaled(torch.index_select(_signed_levels(self._bits, codes.device), 0, index), norms)
-            else:
-                value = self._scaled((codes >> 1).float().mul_(1.0 - 2.0 * (codes & 1).float()), norms)
+            value = self._unpacked(fields, n)
         return value.reshape(ctx.shape) if out is None else out.copy_(value.reshape(ctx.shape))
+
+    def _unpacked(self, fields, n: int) -> torch.Tensor:
+        """Q of one payload's first n elements, unpacked code by code (the reference decoding)."""
+        norms, packed = fields
+        codes = unpack_bits(packed, self._bits, n)
+        if self._bits <= 8:
+            index = workspace("codes", n, torch.int32, codes.device).copy_(codes)
+            return self._scaled(torch.index_select(_signed_levels(self._bits, codes.device), 0, index), norms)
+        return self._scaled((codes >> 1).float().mul_(1.0 - 2.0 * (codes & 1).float()), norms)
 
     def _scaled(self, value: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
         """Q = (||v|| / s) * (sign * xi), in place in ``value`` (sign * xi per element, flat): a code's
@@ -285,8 +294,9 @@ class QSGD(GatheredCompressor):
         return self._scaled(lookup_codes(packed, table, out.numel(), out, index), norms)
 
     def decoded_mean(self, gathered, ctx):
-        if not _table_decodes(gathered[0][1], self._bits):
-            return self._decoded_kernel(gathered, ctx)
+        mean = self._decoded_kernel(gathered, ctx)
+        if mean is not None or not _table_decodes(gathered[0][1], self._bits):
+            return mean
         return self.mean_decoded_into(gathered, ctx, self._table_decode)
 
     def aggregate_bound(self, gathered, ctx):
@@ -297,12 +307,29 @@ class QSGD(GatheredCompressor):
         return torch.stack([fields[0].float().abs().max() for fields in gathered]).sum()
 
     def _decoded_kernel(self, gathered, ctx):
-        n = ctx.shape.numel()
-        if 8 % self._bits or not kernels.enabled(n):
+        """:meth:`combine`'s mean by :func:`_qsgd_mean` over the whole buckets, into the aggregate buffer,
+        the last, part-filled bucket decoded as the reference does; None where the kernel does not apply
+        (codes that do not fill whole bytes of every bucket)."""
+        n, bs, world, bits = ctx.shape.numel(), self.bucket_size, len(gathered), self._bits
+        per = 8 // bits if 8 % bits == 0 else 0
+        if not per or bs % per or world > FUSED_DECODE_WORLD or not kernels.enabled(n):
             return None
-        packed, steps = torch.stack([f[1] for f in gathered]), torch.stack([f[0].float() for f in gathered])
-        mean = _qsgd_mean(packed, steps / self.levels, n, bs=self.bucket_size, bits=self._bits, world=len(gathered))
-        return None if mean is None else mean.reshape(ctx.shape)
+        if per < 8 and bs % 8 == 0 and all(f[1].storage_offset() % 2 == 0 for f in gathered):
+            per *= 2  # int16 words: a float32 vector's width of codes for 2-bit codes
+        full, device = n // bs, gathered[0][1].device
+        nbytes = full * bs * bits // 8
+        words = [f[1][:nbytes].view(torch.int16 if per * bits == 16 else torch.uint8).view(full, -1) for f in gathered]
+        aggregate = ctx.buffer("aggregate", (n,), torch.float32, device)
+        steps = torch.stack([f[0][:full].float() for f in gathered]) / self.levels
+        if _qsgd_mean(aggregate[:full * bs].view(full, -1, per), steps, *words, bits=bits, per=per) is None:
+            return None
+        if full * bs < n:  # summed in rank order and divided, as combine() does
+            tails = [(f[0][full:], f[1][nbytes:]) for f in gathered]
+            tail = aggregate[full * bs:].copy_(self._unpacked(tails[0], n - full * bs))
+            for fields in tails[1:]:
+                tail += self._unpacked(fields, n - full * bs)
+            tail.div_(world)
+        return aggregate.view(ctx.shape)
 
     def payload_bytes(self, ctx, kept=None):
         n = ctx.shape.numel()
