@@ -81,21 +81,26 @@ def assert_same_bits(got, expected):
 def lowered_thresholds(monkeypatch):
     defaults = {k: k.min_numel for k in kernels.KERNELS}
     monkeypatch.setattr(kernels, "MIN_NUMEL", LOWERED)
+    monkeypatch.setattr(kernels, "LARGE_NUMEL", LOWERED)
     for kernel in kernels.KERNELS:
         monkeypatch.setattr(kernel, "min_numel", LOWERED)
     return defaults
 
 
-def test_default_thresholds_leave_tensors_the_compile_would_not_repay(lowered_thresholds, calls):
+def test_default_thresholds_leave_tensors_the_compile_would_not_repay(lowered_thresholds, calls, monkeypatch):
     # A kernel's own threshold: sign packing saves about one pass, so a 2^20-element tensor (a CNN's
     # fc layer) keeps the reference path, and the kernel returns None without compiling.
     from gradzip.compressors import sign
     kernel = sign._pack_signs
-    assert lowered_thresholds[kernel] == kernels.LARGE_NUMEL
+    assert lowered_thresholds[kernel] == 1 << 24
     assert lowered_thresholds[quantize._qsgd_encode] == 1 << 20
-    assert lowered_thresholds[sparse._column_max_abs] == kernels.LARGE_NUMEL  # Top-k's column maxima: a pass
+    assert lowered_thresholds[sparse._column_max_abs] == 1 << 24  # Top-k's column maxima: a pass
     kernel.min_numel = lowered_thresholds[kernel]
     assert kernel(torch.randn(1 << 20)) is None and not kernel._compiled
+    # The decoding kernels, on CPUs, where the byte table is one to three passes slower: from 2^24.
+    monkeypatch.setattr(kernels, "LARGE_NUMEL", 1 << 24)
+    cpu = torch.device("cpu")
+    assert not quantize._decodes_fused(1 << 20, 2, cpu) and quantize._decodes_fused(1 << 24, 2, cpu)
 
 
 @pytest.fixture

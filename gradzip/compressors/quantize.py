@@ -57,6 +57,14 @@ _COUNTER_DRAWS = ("cpu",)
 FUSED_DECODE_WORLD = 16
 
 
+def _decodes_fused(n: int, world: int, device: torch.device) -> bool:
+    """Whether a decoding kernel takes the mean of ``world`` payloads of n elements.  On CPUs the byte
+    table's path costs one to three passes more, which repays a kernel's compile only from
+    :data:`kernels.LARGE_NUMEL` elements; elsewhere the kernels are the fast path from ``MIN_NUMEL``."""
+    return (world <= FUSED_DECODE_WORLD and kernels.enabled(n)
+            and (device.type != "cpu" or n >= kernels.LARGE_NUMEL))
+
+
 #: Where packed codes of 1, 2, 4 or 8 bits are decoded by a table lookup per byte (:func:`_table_decodes`).
 _TABLE_DECODE = ("cpu",)
 
@@ -312,7 +320,7 @@ class QSGD(GatheredCompressor):
         (codes that do not fill whole bytes of every bucket)."""
         n, bs, world, bits = ctx.shape.numel(), self.bucket_size, len(gathered), self._bits
         per = 8 // bits if 8 % bits == 0 else 0
-        if not per or bs % per or world > FUSED_DECODE_WORLD or not kernels.enabled(n):
+        if not per or bs % per or not _decodes_fused(n, world, gathered[0][1].device):
             return None
         if per < 8 and bs % 8 == 0 and all(f[1].storage_offset() % 2 == 0 for f in gathered):
             per *= 2  # int16 words: a float32 vector's width of codes for 2-bit codes
@@ -367,7 +375,7 @@ def _ternary_mean(packed: list, s: torch.Tensor, n: int, out: Optional[torch.Ten
     """s * mean_r (t_r) of the ranks' packed TernGrad codes t + 1, in rank order (into ``out``, n float32
     elements, where a kernel or the byte table decodes them and it is given)."""
     device = packed[0].device
-    if len(packed) <= FUSED_DECODE_WORLD and kernels.enabled(n):
+    if _decodes_fused(n, len(packed), device):
         target = torch.empty(n, device=device) if out is None else out.view(-1)
         per = 8 if all(p.storage_offset() % 2 == 0 for p in packed) else 4  # int16 words need even offsets
         done = n // per * per
@@ -560,7 +568,7 @@ class Natural(GatheredCompressor):
 
     def decoded_mean(self, gathered, ctx):
         n, world, device = ctx.shape.numel(), len(gathered), gathered[0][0].device
-        if world <= FUSED_DECODE_WORLD and kernels.enabled(n):
+        if _decodes_fused(n, world, device):
             aggregate = ctx.buffer("aggregate", (n,), torch.float32, device)
             if _natural_mean(aggregate, *(f[0] for f in gathered)) is not None:
                 return aggregate.view(ctx.shape)
