@@ -219,3 +219,52 @@ def test_an_aggregate_checked_as_it_is_copied_may_sum_past_the_float_range():
     g[599, 499] = float("inf")  # in the last, partial chunk
     state.exchange([("w", g)], out=[out])
     assert out.isnan().all() and state.stats()["nonfinite_exchanges"] == 1
+
+
+def _steps_with_ranks(method, params, world, shape=(600, 500), steps=3):
+    """Every rank's aggregates and residuals over a few steps of ``method`` with residual feedback,
+    exchanged into the gradients themselves, ranks as threads (ThreadGroup)."""
+    import threading
+
+    from gradzip.collectives import ThreadGroup
+    group, results = ThreadGroup(world), [None] * world
+
+    def worker(rank):
+        state = GradzipState(method, transport=group.transport(rank), **params)
+        seen = []
+        for step in range(steps):
+            g = torch.randn(shape, generator=torch.Generator().manual_seed(100 * rank + step))
+            out = state.exchange([("w", g)], out=[g])[0]
+            seen.append((out.clone(), state.tensors["w"]["residual"].clone()))
+        results[rank] = seen
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+@pytest.mark.parametrize("method, params, observes", [
+    ("csc", {"ratio": 0.05, "chunk_size": 256}, True),
+    ("csc", {"ratio": 0.05, "chunk_size": 100}, False),  # 100 divides no cached chunk: norms read again
+    ("efsignsgd", {}, True),
+], ids=["csc-256", "csc-100", "efsignsgd"])
+@pytest.mark.parametrize("world", [1, 3])
+def test_reading_while_residual_feedback_writes_gives_the_same_bits(method, params, observes, world, monkeypatch):
+    # CSC's chunk norms and EF-signSGD's ||p||_1 chunk sums, taken from each cached chunk of p = g + e as
+    # residual feedback writes and checks it (Compressor.read_while_written), are those read afterwards.
+    cls = type(make(method))
+    observed = []
+    original = cls.read_while_written
+    monkeypatch.setattr(cls, "read_while_written", lambda self, ctx: observed.append(original(self, ctx)) or observed[-1])
+    taken = _steps_with_ranks(method, params, world)
+    # Feedback checks g + e as it writes it from the second step on (a 300,000-element tensor).
+    assert len(observed) == world * 2 and all((f is not None) == observes for f in observed)
+    monkeypatch.setattr(cls, "read_while_written", lambda self, ctx: None)
+    again = _steps_with_ranks(method, params, world)
+    for rank_taken, rank_again in zip(taken, again):
+        for (out_a, e_a), (out_b, e_b) in zip(rank_taken, rank_again):
+            assert torch.equal(out_a.view(torch.int32), out_b.view(torch.int32))
+            assert torch.equal(e_a.view(torch.int32), e_b.view(torch.int32))

@@ -19,6 +19,8 @@ from typing import Any, Callable, ClassVar, Generator, Optional, Sequence
 import numpy as np
 import torch
 
+from .. import kernels
+
 __all__ = [
     "AllReduce",
     "AllGather",
@@ -463,8 +465,10 @@ def workspace(name: str, numel: int, dtype: torch.dtype, device: torch.device) -
     return buf[:numel]
 
 
-#: Elements that :func:`chunked_sum` writes and sums at a time (4 MB of fp32, summed while cached).
-SUM_CHUNK = 1 << 20
+#: Elements that :func:`chunked_sum` writes and sums at a time (1 MB of fp32, summed while cached): the
+#: chunks in which residual feedback writes and checks g + e, so that a method may take the same sums
+#: from them as they are written (:meth:`Compressor.read_while_written`).
+SUM_CHUNK = kernels.CHECK_CHUNK
 
 
 def chunked_sum(flat: torch.Tensor, fn: Callable, name: str) -> torch.Tensor:

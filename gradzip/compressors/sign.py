@@ -25,7 +25,8 @@ import torch
 
 from .. import kernels
 from ..bits import pack_bits, packed_nbytes, select, unpack_bits
-from .base import AllGather, Exchanged, GatheredCompressor, TensorContext, chunked_sum, column_counts, compare, workspace
+from .base import (SUM_CHUNK, AllGather, Exchanged, GatheredCompressor, TensorContext, chunked_sum, column_counts,
+                   compare, workspace)
 from .registry import register
 
 #: How signSGD/Signum read an exact zero: "abstain" (sign 0, ternary code) or "plus" (sign +1, one bit).
@@ -497,7 +498,24 @@ class EFSignSGD(GatheredCompressor):
         super().__init__(feedback)
 
     def compress(self, x, ctx):
-        return mean_abs(x), encode_signs(x)
+        sums = ctx.precomputed  # ||x||_1's chunk sums, taken as residual feedback wrote x = g + e
+        scale = mean_abs(x) if sums is None else (sums.sum() / max(x.numel(), 1)).reshape(1)
+        return scale, encode_signs(x)
+
+    def read_while_written(self, ctx):
+        # mean_abs's chunk sums, each from its chunk of p = g + e while it is cached: the same chunks
+        # (SUM_CHUNK is feedback's), the same sums, without reading p again.
+        if kernels.CHECK_CHUNK != SUM_CHUNK:  # feedback's chunks changed: not mean_abs's sums
+            return None
+        n = ctx.shape.numel()
+        sums = ctx.precomputed = torch.empty(-(-n // SUM_CHUNK), dtype=torch.float32)
+        scratch = workspace("abs", SUM_CHUNK, torch.float32, torch.device("cpu"))
+
+        def observe(p, start, stop):
+            chunk = torch.abs(p[start:stop], out=scratch[:stop - start])
+            torch.sum(chunk, 0, dtype=torch.float32, out=sums[start // SUM_CHUNK])
+
+        return observe
 
     def decompress(self, fields, ctx, out: Optional[torch.Tensor] = None):
         scale, packed = fields
