@@ -462,3 +462,48 @@ def test_qsgd_mean_kernel_reads_words_where_aligned(offset, monkeypatch):
     assert widths == [8 if offset % 2 == 0 else 4]
     monkeypatch.setattr(quantize, "FUSED_DECODE_WORLD", 0)  # the byte table's path
     assert torch.equal(bits_of(fused), bits_of(comp.decoded_mean(gathered, ctx)))
+
+
+def _qsgd_ranks(world, into, steps=2):
+    """Every rank's aggregates and residuals over QSGD steps with residual feedback, ranks as threads."""
+    import threading
+
+    from gradzip import GradzipState
+    from gradzip.collectives import ThreadGroup
+    group, results = ThreadGroup(world), [None] * world
+
+    def worker(rank):
+        state = GradzipState("qsgd", feedback="residual", transport=group.transport(rank))
+        seen = []
+        for step, x in enumerate(inputs(steps, seed=20 + rank)):
+            g = x.clone()
+            out = state.exchange([("w", g)], out=[g] if into else None)[0]
+            seen.append((out.clone(), state.tensors["w"]["residual"].clone()))
+        results[rank] = seen
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+@pytest.mark.parametrize("unrolled", [16, 1])  # the mean in one kernel, or each rank decoded alone
+def test_qsgd_own_decoding_leaves_the_aggregate_alone(unrolled, monkeypatch):
+    # Decoding (as GPUs do, by the kernel) of this rank's own payload for its residual must not write into
+    # the aggregate buffer, which an exchange into the gradients lends as the result.
+    monkeypatch.setattr(quantize, "_TABLE_DECODE", ())
+    monkeypatch.setattr(quantize, "FUSED_DECODE_WORLD", unrolled)
+    into, plain = _qsgd_ranks(2, into=True), _qsgd_ranks(2, into=False)
+    for step in range(2):
+        assert torch.equal(bits_of(into[0][step][0]), bits_of(into[1][step][0]))  # ranks agree
+        for rank in range(2):
+            for a, b in zip(into[rank][step], plain[rank][step]):
+                assert torch.equal(bits_of(a), bits_of(b))
+
+
+def test_qsgd_with_a_bucket_larger_than_the_tensor(monkeypatch):
+    xs = inputs(2)
+    assert_same_bits(run("qsgd", {"bucket_size": 1 << 17}, xs, monkeypatch, fused=True),
+                     run("qsgd", {"bucket_size": 1 << 17}, xs, monkeypatch, fused=False))

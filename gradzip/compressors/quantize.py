@@ -53,7 +53,7 @@ def _kernel_draws(n: int, ctx: TensorContext, device: torch.device, drawn: Optio
 
 #: Where fused kernels make their own draws (:func:`_kernel_draws`).
 _COUNTER_DRAWS = ("cpu",)
-#: The decoding kernels unroll their sum over ranks (one compile per world size) up to this many ranks.
+#: The decoding kernels unroll their sum over ranks (a compile per world size) up to this many ranks.
 FUSED_DECODE_WORLD = 16
 
 
@@ -268,9 +268,10 @@ class QSGD(GatheredCompressor):
         if _table_decodes(packed, self._bits):
             value = torch.empty(n, device=packed.device) if out is None else out.view(-1)
             return self._table_decode(fields, value).view(ctx.shape)
-        value = self._decoded_kernel([fields], ctx)
-        if value is None:
-            value = self._unpacked(fields, n)
+        target = torch.empty(n, device=packed.device) if out is None else out.view(-1)
+        if self._decoded_kernel([fields], ctx, target) is not None:
+            return target.view(ctx.shape)
+        value = self._unpacked(fields, n)
         return value.reshape(ctx.shape) if out is None else out.copy_(value.reshape(ctx.shape))
 
     def _unpacked(self, fields, n: int) -> torch.Tensor:
@@ -302,7 +303,8 @@ class QSGD(GatheredCompressor):
         return self._scaled(lookup_codes(packed, table, out.numel(), out, index), norms)
 
     def decoded_mean(self, gathered, ctx):
-        mean = self._decoded_kernel(gathered, ctx)
+        n, device = ctx.shape.numel(), gathered[0][1].device
+        mean = self._decoded_kernel(gathered, ctx, ctx.buffer("aggregate", (n,), torch.float32, device))
         if mean is not None or not _table_decodes(gathered[0][1], self._bits):
             return mean
         return self.mean_decoded_into(gathered, ctx, self._table_decode)
@@ -314,20 +316,19 @@ class QSGD(GatheredCompressor):
             return None
         return torch.stack([fields[0].float().abs().max() for fields in gathered]).sum()
 
-    def _decoded_kernel(self, gathered, ctx):
-        """:meth:`combine`'s mean by :func:`_qsgd_mean` over the whole buckets, into the aggregate buffer,
-        the last, part-filled bucket decoded as the reference does; None where the kernel does not apply
-        (codes that do not fill whole bytes of every bucket)."""
+    def _decoded_kernel(self, gathered, ctx, aggregate: torch.Tensor):
+        """:meth:`combine`'s mean by :func:`_qsgd_mean` over the whole buckets, into ``aggregate`` (n
+        float32 elements), the last, part-filled bucket decoded as the reference does; None where the
+        kernel does not apply (codes that do not fill whole bytes of every bucket, no whole bucket)."""
         n, bs, world, bits = ctx.shape.numel(), self.bucket_size, len(gathered), self._bits
         per = 8 // bits if 8 % bits == 0 else 0
-        if not per or bs % per or not _decodes_fused(n, world, gathered[0][1].device):
+        full = n // bs
+        if not per or bs % per or not full or not _decodes_fused(n, world, gathered[0][1].device):
             return None
         if per < 8 and bs % 8 == 0 and all(f[1].storage_offset() % 2 == 0 for f in gathered):
             per *= 2  # int16 words: a float32 vector's width of codes for 2-bit codes
-        full, device = n // bs, gathered[0][1].device
         nbytes = full * bs * bits // 8
         words = [f[1][:nbytes].view(torch.int16 if per * bits == 16 else torch.uint8).view(full, -1) for f in gathered]
-        aggregate = ctx.buffer("aggregate", (n,), torch.float32, device)
         steps = torch.stack([f[0][:full].float() for f in gathered]) / self.levels
         if _qsgd_mean(aggregate[:full * bs].view(full, -1, per), steps, *words, bits=bits, per=per) is None:
             return None
@@ -579,7 +580,9 @@ class Natural(GatheredCompressor):
     def aggregate_bound(self, gathered, ctx):
         # Every value, so the mean, is at most 2^63 in magnitude, unless a rank sent the code 0x80 (-128
         # as int8: a NaN or Inf input, decoded to NaN): one read of the codes, a byte per element,
-        # instead of the aggregate's four.
+        # instead of the aggregate's four.  The owner reads a bound only for CPU outputs.
+        if gathered[0][0].device.type != "cpu":
+            return None
         marked = any(bool(codes.view(torch.int8).min() == -128) for (codes,) in gathered if codes.numel())
         return torch.tensor(math.nan if marked else 2.0**63)
 

@@ -207,7 +207,8 @@ def vote_of_trits(gathered: list, shape, out: Optional[torch.Tensor] = None,
     return vote if scale is None else vote.mul_(scale)
 
 
-#: The fused vote unrolls its sum over ranks (one compile per world size) up to this many ranks.
+#: The fused vote unrolls its sum over ranks up to this many ranks (two compiles per world size: the
+#: first four planes, then the shorter last one).
 FUSED_VOTE_WORLD = 16
 
 
