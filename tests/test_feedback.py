@@ -10,6 +10,7 @@ from gradzip.collectives import LocalTransport
 from gradzip.compressors import base
 from gradzip.feedback import MomentumCorrection, NoFeedback, Residual, make_feedback, scheme_of
 from gradzip.state import GradzipState
+from tests import workers
 
 
 def test_make_feedback():
@@ -223,27 +224,17 @@ def test_an_aggregate_checked_as_it_is_copied_may_sum_past_the_float_range():
 
 def _steps_with_ranks(method, params, world, shape=(600, 500), steps=3):
     """Every rank's aggregates and residuals over a few steps of ``method`` with residual feedback,
-    exchanged into the gradients themselves, ranks as threads (ThreadGroup)."""
-    import threading
-
-    from gradzip.collectives import ThreadGroup
-    group, results = ThreadGroup(world), [None] * world
-
-    def worker(rank):
-        state = GradzipState(method, transport=group.transport(rank), **params)
+    exchanged into the gradients themselves, ranks as threads."""
+    def worker(rank, transport):
+        state = GradzipState(method, transport=transport, **params)
         seen = []
         for step in range(steps):
             g = torch.randn(shape, generator=torch.Generator().manual_seed(100 * rank + step))
             out = state.exchange([("w", g)], out=[g])[0]
             seen.append((out.clone(), state.tensors["w"]["residual"].clone()))
-        results[rank] = seen
+        return seen
 
-    threads = [threading.Thread(target=worker, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return results
+    return workers.run_threads(world, worker)
 
 
 @pytest.mark.parametrize("method, params, observes", [

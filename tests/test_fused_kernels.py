@@ -17,6 +17,7 @@ from gradzip import feedback, kernels
 from gradzip.collectives import simulate
 from gradzip.compressors import make, quantize, sign, sparse
 from gradzip.compressors.base import TensorContext
+from tests import workers
 
 SHAPE = (256, 257)  # 65,792 elements: just above the lowered threshold
 LOWERED = 1 << 16
@@ -466,27 +467,18 @@ def test_qsgd_mean_kernel_reads_words_where_aligned(offset, monkeypatch):
 
 def _qsgd_ranks(world, into, steps=2):
     """Every rank's aggregates and residuals over QSGD steps with residual feedback, ranks as threads."""
-    import threading
-
     from gradzip import GradzipState
-    from gradzip.collectives import ThreadGroup
-    group, results = ThreadGroup(world), [None] * world
 
-    def worker(rank):
-        state = GradzipState("qsgd", feedback="residual", transport=group.transport(rank))
+    def worker(rank, transport):
+        state = GradzipState("qsgd", feedback="residual", transport=transport)
         seen = []
-        for step, x in enumerate(inputs(steps, seed=20 + rank)):
+        for x in inputs(steps, seed=20 + rank):
             g = x.clone()
             out = state.exchange([("w", g)], out=[g] if into else None)[0]
             seen.append((out.clone(), state.tensors["w"]["residual"].clone()))
-        results[rank] = seen
+        return seen
 
-    threads = [threading.Thread(target=worker, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return results
+    return workers.run_threads(world, worker)
 
 
 @pytest.mark.parametrize("unrolled", [16, 1])  # the mean in one kernel, or each rank decoded alone
