@@ -26,7 +26,7 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["MIN_NUMEL", "LARGE_NUMEL", "KERNELS", "Kernel", "fused", "enabled", "pack_codes", "unpack_codes",
+__all__ = ["MIN_NUMEL", "LARGE_NUMEL", "UNROLL_RANKS", "KERNELS", "Kernel", "fused", "enabled", "pack_codes", "unpack_codes",
            "repeat_each", "counter_uniforms", "uniforms_from"]
 
 #: The smallest tensor (elements) that takes a fused path: QSGD saves about 35 passes over 2^20
@@ -34,6 +34,9 @@ __all__ = ["MIN_NUMEL", "LARGE_NUMEL", "KERNELS", "Kernel", "fused", "enabled", 
 MIN_NUMEL = 1 << 20
 #: The same for kernels that save about one pass (sign packing, Signum's momentum).
 LARGE_NUMEL = 1 << 24
+#: Kernels that sum over ranks unroll the sum (a compile per world size) up to this many ranks; more
+#: ranks keep the reference path.
+UNROLL_RANKS = 16
 #: Every kernel made by :func:`fused` (tests lower their thresholds to run them on small tensors).
 KERNELS: list = []
 

@@ -166,9 +166,9 @@ def test_decoding_by_byte_table_equals_the_kernels_and_unpacking(name, params, w
     # give the same aggregate and the same decoded own payload, bit for bit.
     xs = [x.reshape(-1)[:-1].clone() for x in inputs(world, seed=6)]  # 65,791: a part-filled last byte
     xs[0][9:12] = torch.tensor([float("nan"), float("inf"), -float("inf")])
-    monkeypatch.setattr(quantize, "FUSED_DECODE_WORLD", 0)  # natural's mean kernel: never
+    monkeypatch.setattr(kernels, "UNROLL_RANKS", 0)  # no decoding kernel: the table's run
     table = run(name, params, xs, monkeypatch, fused=True)
-    monkeypatch.setattr(quantize, "FUSED_DECODE_WORLD", 16)
+    monkeypatch.setattr(kernels, "UNROLL_RANKS", 16)
     monkeypatch.setattr(quantize, "_TABLE_DECODE", ())
     decoding = {"n": calls["n"]}
     assert_same_bits(table, run(name, params, xs, monkeypatch, fused=True))
@@ -363,7 +363,7 @@ def test_ternary_vote_runs_its_kernel_on_every_plane(world, monkeypatch):
 
 
 def test_ternary_vote_of_many_ranks_keeps_the_reference_path(monkeypatch):
-    world = sign.FUSED_VOTE_WORLD + 1  # the kernel would unroll a sum over that many ranks
+    world = kernels.UNROLL_RANKS + 1  # the kernel would unroll a sum over that many ranks
     monkeypatch.setattr(sign, "_trit_vote_planes", None)  # any use of the kernel fails
     gathered = [sign.encode_trits(x) for x in inputs(world)]
     vote = sign.vote_of_trits(gathered, SHAPE, torch.empty(SHAPE))
@@ -461,7 +461,7 @@ def test_qsgd_mean_kernel_reads_words_where_aligned(offset, monkeypatch):
     ctx = TensorContext(key="w", shape=torch.Size([n]), dtype=torch.float32, world_size=world)
     fused = comp.decoded_mean(gathered, ctx).clone()
     assert widths == [8 if offset % 2 == 0 else 4]
-    monkeypatch.setattr(quantize, "FUSED_DECODE_WORLD", 0)  # the byte table's path
+    monkeypatch.setattr(kernels, "UNROLL_RANKS", 0)  # the byte table's path
     assert torch.equal(bits_of(fused), bits_of(comp.decoded_mean(gathered, ctx)))
 
 
@@ -486,7 +486,7 @@ def test_qsgd_own_decoding_leaves_the_aggregate_alone(unrolled, monkeypatch):
     # Decoding (as GPUs do, by the kernel) of this rank's own payload for its residual must not write into
     # the aggregate buffer, which an exchange into the gradients lends as the result.
     monkeypatch.setattr(quantize, "_TABLE_DECODE", ())
-    monkeypatch.setattr(quantize, "FUSED_DECODE_WORLD", unrolled)
+    monkeypatch.setattr(kernels, "UNROLL_RANKS", unrolled)
     into, plain = _qsgd_ranks(2, into=True), _qsgd_ranks(2, into=False)
     for step in range(2):
         assert torch.equal(bits_of(into[0][step][0]), bits_of(into[1][step][0]))  # ranks agree

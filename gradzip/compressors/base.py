@@ -465,23 +465,19 @@ def workspace(name: str, numel: int, dtype: torch.dtype, device: torch.device) -
     return buf[:numel]
 
 
-#: Elements that :func:`chunked_sum` writes and sums at a time (1 MB of fp32, summed while cached): the
-#: chunks in which residual feedback writes and checks g + e, so that a method may take the same sums
-#: from them as they are written (:meth:`Compressor.read_while_written`).
-SUM_CHUNK = kernels.CHECK_CHUNK
-
-
 def chunked_sum(flat: torch.Tensor, fn: Callable, name: str) -> torch.Tensor:
     """The float32 sum of ``fn(chunk, out=...)`` (an elementwise op: ``torch.abs``, ``torch.square``)
     over the contiguous 1-D ``flat``, written a cached chunk at a time into a reused buffer and summed
     there, then the chunk sums added: 25M elements in 1.5 passes over memory, against 2 for the whole
-    temporary written, then summed.  0-d (1 element) for an empty ``flat``: 0."""
-    n = flat.numel()
-    scratch = workspace(name, min(n, SUM_CHUNK), flat.dtype, flat.device)
-    starts = range(0, n, SUM_CHUNK)
+    temporary written, then summed.  The chunks are those in which residual feedback writes and checks
+    g + e (``kernels.CHECK_CHUNK``), so that a method may take the same sums from them as they are
+    written (:meth:`Compressor.read_while_written`).  0-d for an empty ``flat``: 0."""
+    n, size = flat.numel(), kernels.CHECK_CHUNK
+    scratch = workspace(name, min(n, size), flat.dtype, flat.device)
+    starts = range(0, n, size)
     sums = torch.empty(len(starts), dtype=torch.float32, device=flat.device)
     for i, start in enumerate(starts):
-        chunk = fn(flat[start:start + SUM_CHUNK], out=scratch[:min(SUM_CHUNK, n - start)])
+        chunk = fn(flat[start:start + size], out=scratch[:min(size, n - start)])
         torch.sum(chunk, 0, dtype=torch.float32, out=sums[i])
     return sums.sum()
 

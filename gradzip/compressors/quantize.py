@@ -53,15 +53,11 @@ def _kernel_draws(n: int, ctx: TensorContext, device: torch.device, drawn: Optio
 
 #: Where fused kernels make their own draws (:func:`_kernel_draws`).
 _COUNTER_DRAWS = ("cpu",)
-#: The decoding kernels unroll their sum over ranks (a compile per world size) up to this many ranks.
-FUSED_DECODE_WORLD = 16
-
-
 def _decodes_fused(n: int, world: int, device: torch.device) -> bool:
     """Whether a decoding kernel takes the mean of ``world`` payloads of n elements.  On CPUs the byte
     table's path costs one to three passes more, which repays a kernel's compile only from
     :data:`kernels.LARGE_NUMEL` elements; elsewhere the kernels are the fast path from ``MIN_NUMEL``."""
-    return (world <= FUSED_DECODE_WORLD and kernels.enabled(n)
+    return (world <= kernels.UNROLL_RANKS and kernels.enabled(n)
             and (device.type != "cpu" or n >= kernels.LARGE_NUMEL))
 
 
@@ -268,9 +264,9 @@ class QSGD(GatheredCompressor):
         if _table_decodes(packed, self._bits):
             value = torch.empty(n, device=packed.device) if out is None else out.view(-1)
             return self._table_decode(fields, value).view(ctx.shape)
-        target = torch.empty(n, device=packed.device) if out is None else out.view(-1)
-        if self._decoded_kernel([fields], ctx, target) is not None:
-            return target.view(ctx.shape)
+        value = self._decoded_kernel([fields], ctx, None if out is None else out.view(-1))
+        if value is not None:
+            return value if out is None else out
         value = self._unpacked(fields, n)
         return value.reshape(ctx.shape) if out is None else out.copy_(value.reshape(ctx.shape))
 
@@ -316,10 +312,11 @@ class QSGD(GatheredCompressor):
             return None
         return torch.stack([fields[0].float().abs().max() for fields in gathered]).sum()
 
-    def _decoded_kernel(self, gathered, ctx, aggregate: torch.Tensor):
+    def _decoded_kernel(self, gathered, ctx, aggregate: Optional[torch.Tensor] = None):
         """:meth:`combine`'s mean by :func:`_qsgd_mean` over the whole buckets, into ``aggregate`` (n
-        float32 elements), the last, part-filled bucket decoded as the reference does; None where the
-        kernel does not apply (codes that do not fill whole bytes of every bucket, no whole bucket)."""
+        float32 elements; a new tensor if None), the last, part-filled bucket decoded as the reference
+        does; None where the kernel does not apply (codes that do not fill whole bytes of every bucket,
+        no whole bucket)."""
         n, bs, world, bits = ctx.shape.numel(), self.bucket_size, len(gathered), self._bits
         per = 8 // bits if 8 % bits == 0 else 0
         full = n // bs
@@ -327,6 +324,8 @@ class QSGD(GatheredCompressor):
             return None
         if per < 8 and bs % 8 == 0 and all(f[1].storage_offset() % 2 == 0 for f in gathered):
             per *= 2  # int16 words: a float32 vector's width of codes for 2-bit codes
+        if aggregate is None:
+            aggregate = torch.empty(n, device=gathered[0][1].device)
         nbytes = full * bs * bits // 8
         words = [f[1][:nbytes].view(torch.int16 if per * bits == 16 else torch.uint8).view(full, -1) for f in gathered]
         steps = torch.stack([f[0][:full].float() for f in gathered]) / self.levels
@@ -382,11 +381,8 @@ def _ternary_mean(packed: list, s: torch.Tensor, n: int, out: Optional[torch.Ten
         done = n // per * per
         words = [p[:done // 4].view(torch.int16) if per == 8 else p[:done // 4] for p in packed]
         if _terngrad_mean(target[:done].view(-1, per), s.reshape(()), *words, per=per) is not None:
-            if n > done:  # the last codes, as the reference below decodes them
-                tail = unpack_bits(packed[0][done // 4:], 2, n - done).float().sub_(1)
-                for codes in packed[1:]:
-                    tail += unpack_bits(codes[done // 4:], 2, n - done).float().sub_(1)
-                target[done:] = tail.mul_(s).div_(len(packed))
+            if n > done:  # the last codes (fewer than a word: no kernel), as the paths below decode them
+                target[done:] = _ternary_mean([p[done // 4:] for p in packed], s, n - done)
             return target if out is None else out
     if _table_decodes(packed[0], 2):
         table, index = _ternary_bytes(device), workspace("codes", packed[0].numel(), torch.int32, device)

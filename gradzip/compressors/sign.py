@@ -25,8 +25,7 @@ import torch
 
 from .. import kernels
 from ..bits import pack_bits, packed_nbytes, select, unpack_bits
-from .base import (SUM_CHUNK, AllGather, Exchanged, GatheredCompressor, TensorContext, chunked_sum, column_counts,
-                   compare, workspace)
+from .base import AllGather, Exchanged, GatheredCompressor, TensorContext, chunked_sum, column_counts, compare, workspace
 from .registry import register
 
 #: How signSGD/Signum read an exact zero: "abstain" (sign 0, ternary code) or "plus" (sign +1, one bit).
@@ -207,16 +206,12 @@ def vote_of_trits(gathered: list, shape, out: Optional[torch.Tensor] = None,
     return vote if scale is None else vote.mul_(scale)
 
 
-#: The fused vote unrolls its sum over ranks up to this many ranks (two compiles per world size: the
-#: first four planes, then the shorter last one).
-FUSED_VOTE_WORLD = 16
-
-
 def _fused_trit_vote(gathered: list, n: int, scale: Optional[torch.Tensor], out: torch.Tensor) -> bool:
     """:func:`vote_of_trits` into the flat float32 ``out`` by :func:`_trit_vote_planes`: planes 0-3
-    (whole) in one call, the last (the tail of ``out``) in a second; False where it does not apply."""
+    (whole) in one call, the last (the tail of ``out``) in a second (two compiles per world size);
+    False where it does not apply."""
     world, m = len(gathered), gathered[0].numel()
-    if not (world <= FUSED_VOTE_WORLD and n >= _trit_vote_planes.min_numel and kernels.enabled(n)):
+    if not (world <= kernels.UNROLL_RANKS and n >= _trit_vote_planes.min_numel and kernels.enabled(n)):
         return False
     scale = torch.ones((), device=out.device) if scale is None else scale.reshape(())
     inv_powers = _inverse_powers_of_3(out.device)
@@ -505,22 +500,25 @@ class EFSignSGD(GatheredCompressor):
 
     def read_while_written(self, ctx):
         # mean_abs's chunk sums, each from its chunk of p = g + e while it is cached: the same chunks
-        # (SUM_CHUNK is feedback's), the same sums, without reading p again.
-        if kernels.CHECK_CHUNK != SUM_CHUNK:  # feedback's chunks changed: not mean_abs's sums
-            return None
-        n = ctx.shape.numel()
-        sums = ctx.precomputed = torch.empty(-(-n // SUM_CHUNK), dtype=torch.float32)
-        scratch = workspace("abs", SUM_CHUNK, torch.float32, torch.device("cpu"))
+        # (chunked_sum's are feedback's), the same sums, without reading p again.
+        n, size = ctx.shape.numel(), kernels.CHECK_CHUNK
+        sums = ctx.precomputed = torch.empty(-(-n // size), dtype=torch.float32)
+        scratch = workspace("abs", size, torch.float32, torch.device("cpu"))
 
         def observe(p, start, stop):
             chunk = torch.abs(p[start:stop], out=scratch[:stop - start])
-            torch.sum(chunk, 0, dtype=torch.float32, out=sums[start // SUM_CHUNK])
+            torch.sum(chunk, 0, dtype=torch.float32, out=sums[start // size])
 
         return observe
 
     def decompress(self, fields, ctx, out: Optional[torch.Tensor] = None):
+        return self._delta(fields, ctx.shape, out)
+
+    @staticmethod
+    def _delta(fields, shape, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """One rank's scale * sign(p) of ``shape`` (into ``out`` if given)."""
         scale, packed = fields
-        return decode_signs(packed, ctx.shape, out).mul_(scale.reshape(()))
+        return decode_signs(packed, shape, out).mul_(scale.reshape(()))
 
     def subtract_sent(self, fields, ctx):
         # p - scale * sign(p) in one fused pass over p, instead of decoding the own signs (unpack,
@@ -539,7 +537,7 @@ class EFSignSGD(GatheredCompressor):
         aggregate = ctx.buffer("aggregate", ctx.shape, torch.float32, gathered[0][1].device)
         whole = n // 8
         flat = aggregate.view(-1)
-        if world <= FUSED_VOTE_WORLD and kernels.enabled(n) and _mean_of_scaled_signs(
+        if world <= kernels.UNROLL_RANKS and kernels.enabled(n) and _mean_of_scaled_signs(
                 flat[:8 * whole].view(whole, 8), torch.cat([fields[0].reshape(1) for fields in gathered]),
                 *(fields[1][:whole] for fields in gathered)) is not None:
             if n > 8 * whole:  # the last, partly used byte, as the reference decodes it
@@ -551,9 +549,9 @@ class EFSignSGD(GatheredCompressor):
     def _decoded_mean(gathered, n: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """combine()'s mean of the first n elements of the ranks' deltas, summed in rank order, each
         rank decoded as :meth:`decompress` does, into reused memory: the same floats (1-D)."""
-        total = decode_signs(gathered[0][1], (n,), out).mul_(gathered[0][0].reshape(()))
-        for scale, packed in gathered[1:]:
-            total += decode_signs(packed, (n,), workspace("decoded", n, torch.float32, total.device)).mul_(scale.reshape(()))
+        total = EFSignSGD._delta(gathered[0], (n,), out)
+        for fields in gathered[1:]:
+            total += EFSignSGD._delta(fields, (n,), workspace("decoded", n, torch.float32, total.device))
         return total.div_(len(gathered))
 
     def payload_bytes(self, ctx, kept=None):
