@@ -96,6 +96,7 @@ def test_default_thresholds_leave_tensors_the_compile_would_not_repay(lowered_th
     assert lowered_thresholds[kernel] == 1 << 24
     assert lowered_thresholds[quantize._qsgd_encode] == 1 << 20
     assert lowered_thresholds[sparse._column_max_abs] == 1 << 24  # Top-k's column maxima: a pass
+    assert lowered_thresholds[sparse._above_tau] == lowered_thresholds[sparse._mean_of_dense] == 1 << 24  # Threshold's
     kernel.min_numel = lowered_thresholds[kernel]
     assert kernel(torch.randn(1 << 20)) is None and not kernel._compiled
     # The decoding kernels, on CPUs, where the byte table is one to three passes slower: from 2^24.
@@ -499,3 +500,35 @@ def test_qsgd_with_a_bucket_larger_than_the_tensor(monkeypatch):
     xs = inputs(2)
     assert_same_bits(run("qsgd", {"bucket_size": 1 << 17}, xs, monkeypatch, fused=True),
                      run("qsgd", {"bucket_size": 1 << 17}, xs, monkeypatch, fused=False))
+
+
+@pytest.mark.parametrize("world", [1, 3])
+@pytest.mark.parametrize("params", [{"tau": 0.005}, {"tau": 1e-9, "value_dtype": "float16"}], ids=["fp32", "fp16-values"])
+def test_threshold_dense_payload_and_mean_come_from_kernels(params, world, monkeypatch):
+    # Threshold sending most elements: its payload where(|x| > tau, x, 0) from x alone, and the mean of
+    # the ranks' dense payloads in one kernel; fp16 values round -1e-8 to -0.0, which the mean makes +0.
+    used = {"values": 0, "mean": 0}
+    for name, key in (("_above_tau", "values"), ("_mean_of_dense", "mean")):
+        kernel = getattr(sparse, name)
+
+        def counted(*args, kernel=kernel, key=key):
+            result = kernel(*args)
+            used[key] += result is not None
+            return result
+
+        monkeypatch.setattr(sparse, name, counted)
+    xs = inputs(world, seed=12)
+    xs[0][7, :5] = torch.tensor([-1e-8, float("nan"), float("inf"), -float("inf"), 0.005])
+    fused = run("threshold", params, xs, monkeypatch, fused=True)
+    assert used == {"values": world if "value_dtype" not in params else 0, "mean": world}
+    assert_same_bits(fused, run("threshold", params, xs, monkeypatch, fused=False))
+
+
+def test_threshold_with_a_rank_sending_sparsely_keeps_the_reference_sum(monkeypatch):
+    xs = inputs(2, seed=13)
+    xs[1] *= 1e-3  # almost nothing of rank 1 passes tau: (value, index) pairs
+    mean = sparse._mean_of_dense
+    monkeypatch.setattr(sparse, "_mean_of_dense", lambda *a: pytest.fail("a sparse payload went to the dense mean"))
+    fused = run("threshold", {"tau": 0.005}, xs, monkeypatch, fused=True)
+    monkeypatch.setattr(sparse, "_mean_of_dense", mean)
+    assert_same_bits(fused, run("threshold", {"tau": 0.005}, xs, monkeypatch, fused=False))
