@@ -35,6 +35,7 @@ CASES = [
     ("signum", {}),
     ("signum", {"zeros": "plus", "scaled": False}),
     ("onebit", {}),
+    ("adaptive_threshold", {}),  # its two sign counts
 ]
 IDS = [f"{name}-{'-'.join(f'{k}={v}' for k, v in params.items())}" for name, params in CASES]
 
@@ -148,7 +149,7 @@ def test_non_contiguous_inputs(name, monkeypatch):
 
 @pytest.mark.parametrize("name, params", [("qsgd", {}), ("terngrad", {}), ("terngrad", {"clip": None}),
                                           ("natural", {}), ("efsignsgd", {}),
-                                          ("signsgd", {"zeros": "plus"})])
+                                          ("signsgd", {"zeros": "plus"}), ("adaptive_threshold", {})])
 def test_nan_and_inf_as_the_reference(name, params, monkeypatch):
     # Ternary sign codes leave NaN's code unspecified, so zeros="abstain" is not compared here.
     xs = inputs(2, seed=2)

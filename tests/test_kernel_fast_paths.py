@@ -111,6 +111,23 @@ def test_top_k_with_ties_keeps_k_values_of_the_right_size():
     assert torch.equal(a[got].sort().values, torch.topk(a, 70_000).values.sort().values)
 
 
+@pytest.mark.parametrize("case", ["plain", "ties", "nan", "fallback", "small"])
+def test_top_k_of_negated_is_top_k_of_the_negation(case):
+    # Adaptive threshold's negative side: the positions top_k(-a) finds, without -a written.
+    n, k = (200_000, 2_000) if case != "small" else (1_000, 10)
+    a = randn(n, seed=3) * 0.01
+    if case == "ties":
+        a = (a * 1000).round() / 1000
+    if case == "nan":
+        a[[7, 9_001]] = float("nan")
+    if case == "fallback":  # the strided sample sees only zeros: the whole topk
+        a = torch.zeros(n)
+        a[1::1000] = -torch.arange(1, 201, dtype=torch.float32)
+    got = top_k(a, k, negated=True)
+    assert torch.equal(got.sort().values, top_k(-a, k).sort().values)
+    assert torch.equal((-a)[got].sort().values.nan_to_num(1e9), torch.topk(-a, k).values.sort().values.nan_to_num(1e9))
+
+
 @pytest.mark.parametrize("n, k", [(100_003, 1_000), (300_000, 300), (1_179_648, 11_797), (200_005, 20_000)])
 def test_top_k_abs_is_the_exact_top_k_of_magnitudes(n, k):
     x = randn(n, seed=n + k)
