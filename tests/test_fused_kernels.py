@@ -214,6 +214,30 @@ def test_efsignsgd_residual_from_its_input_equals_the_decoded_one(world, monkeyp
     assert_same_bits(*results)
 
 
+@pytest.mark.parametrize("shape", [SHAPE, (SHAPE[0] * SHAPE[1],)], ids=["matrix", "vector"])
+@pytest.mark.parametrize("world", [1, 3])
+def test_onebit_residual_from_its_input_equals_the_decoded_one(world, shape, monkeypatch):
+    # 1-bit SGD's own bits are p >= 0: e' = p - (a_j where p_ij >= 0, else b_j) in one fused pass over p
+    # instead of unpacking and decoding its own payload.  A vector is an n x 1 matrix: one column.
+    xs = [x.reshape(shape) for x in inputs(world, seed=14)]
+    kept = [x.flip(0).reshape(shape) * 0.5 for x in inputs(world, seed=15)]
+    kept[0].view(-1)[:4] = 0.0  # p keeps x's +0, -0, tiny and subnormal
+    xs[0].view(-1)[9] = float("nan")
+    used = []
+    original = sign._minus_column_means
+    monkeypatch.setattr(sign, "_minus_column_means", lambda *args: used.append(1) or original(*args))
+    results = []
+    for fused in (True, False):
+        monkeypatch.setenv("GRADZIP_FUSED", "1" if fused else "0")
+        comp = make("onebit")
+        ctxs = [TensorContext(key="w", shape=x.shape, dtype=x.dtype, step=3, rank=r, world_size=world,
+                              state={"residual": e.clone()}) for r, (x, e) in enumerate(zip(xs, kept))]
+        outs = simulate([[feedback.exchange(comp, x, c)] for x, c in zip(xs, ctxs)])
+        results.append([(out[0].aggregate, c.updates["residual"]) for out, c in zip(outs, ctxs)])
+        assert len(used) == world  # every rank subtracted by the kernel; none in the reference run
+    assert_same_bits(*results)
+
+
 @pytest.mark.parametrize("rank", [2, 3])
 @pytest.mark.parametrize("world", [1, 3])
 def test_powersgd_products_fused_equal_the_reference(rank, world, monkeypatch):

@@ -67,6 +67,12 @@ def _minus_scaled_signs(p, scale):
 
 
 @kernels.fused(min_numel=kernels.LARGE_NUMEL)
+def _minus_column_means(M, pos_mean, neg_mean):
+    # In place: M - (a_j where M_ij >= 0, else b_j), exactly M minus its own decoded 1-bit SGD payload.
+    return M.sub_(torch.where(M >= 0, pos_mean, neg_mean))
+
+
+@kernels.fused(min_numel=kernels.LARGE_NUMEL)
 def _mean_of_scaled_signs(out, scales, *packed):
     """EF-signSGD's aggregate over whole bytes: out[k, j] = (sum_r scales[r] * sign_rkj) / world in rank
     order, sign_rkj = +-1 from bit j of the r-th ``packed``'s byte k: the reference's roundings (each
@@ -316,6 +322,15 @@ class OneBit(GatheredCompressor):
         # combine()'s sum in rank order, each payload decoded into reused memory (a fresh full-size
         # tensor per rank was page-faulted in on every exchange): the same floats.
         return self.mean_decoded_into(gathered, ctx, lambda fields, out: self.decompress(fields, ctx, out))
+
+    def subtract_sent(self, fields, ctx):
+        # p - D(C(p)) in one fused pass over p: its own bits are p >= 0, so they need not be unpacked
+        # (decoding them by integer masks and subtracting took about five passes).
+        if not kernels.enabled(ctx.shape.numel()):
+            return None
+        pos_mean, neg_mean = fields[0].view(2, -1)
+        shape = self.matrix_shape(ctx.shape)
+        return lambda p: None if _minus_column_means(p.view(shape), pos_mean, neg_mean) is None else p
 
     def payload_bytes(self, ctx, kept=None):
         return 8 * self.matrix_shape(ctx.shape)[1] + _bits_bytes(ctx)
