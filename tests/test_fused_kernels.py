@@ -214,6 +214,26 @@ def test_efsignsgd_residual_from_its_input_equals_the_decoded_one(world, monkeyp
     assert_same_bits(*results)
 
 
+@pytest.mark.parametrize("shape", [(257, 257), (257 * 257,)], ids=["matrix", "vector"])  # a partly used last byte
+@pytest.mark.parametrize("world", [1, 3])
+def test_onebit_mean_comes_from_its_kernel(world, shape, monkeypatch):
+    results = []
+    kernel = sign._mean_of_column_codes
+
+    def counted(out, means, *packed):
+        result = kernel(out, means, *packed)
+        results.append((len(packed), result is not None))
+        return result
+
+    monkeypatch.setattr(sign, "_mean_of_column_codes", counted)
+    gen = torch.Generator().manual_seed(16)
+    xs = [torch.randn(shape, generator=gen) * 0.01 for _ in range(world)]
+    xs[0].view(-1)[:3] = torch.tensor([0.0, -0.0, float("inf")])
+    fused = run("onebit", {}, xs, monkeypatch, fused=True)
+    assert results == [(world, True)] * world  # on every rank, its result used
+    assert_same_bits(fused, run("onebit", {}, xs, monkeypatch, fused=False))
+
+
 @pytest.mark.parametrize("shape", [SHAPE, (SHAPE[0] * SHAPE[1],)], ids=["matrix", "vector"])
 @pytest.mark.parametrize("world", [1, 3])
 def test_onebit_residual_from_its_input_equals_the_decoded_one(world, shape, monkeypatch):
