@@ -94,7 +94,7 @@ def test_default_thresholds_leave_tensors_the_compile_would_not_repay(lowered_th
     # fc layer) keeps the reference path, and the kernel returns None without compiling.
     from gradzip.compressors import sign
     kernel = sign._pack_signs
-    assert lowered_thresholds[kernel] == 1 << 24
+    assert lowered_thresholds[kernel] == lowered_thresholds[sign._sign_bytes] == 1 << 24
     assert lowered_thresholds[quantize._qsgd_encode] == 1 << 20
     assert lowered_thresholds[sparse._column_max_abs] == 1 << 24  # Top-k's column maxima: a pass
     assert lowered_thresholds[sparse._above_tau] == lowered_thresholds[sparse._mean_of_dense] == 1 << 24  # Threshold's
@@ -127,6 +127,26 @@ def test_fused_equals_reference_bit_for_bit(name, params, world, monkeypatch, ca
     fused = run(name, params, xs, monkeypatch, fused=True)
     assert calls["n"] > 0 and kernels._failure is None
     assert_same_bits(fused, run(name, params, xs, monkeypatch, fused=False))
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_pack_bytes_equals_pack_bits(bits):
+    # Codes a byte each, packed by whole words; lengths with every partly filled last byte.
+    from gradzip.bits import pack_bits
+    gen = torch.Generator().manual_seed(bits)
+    for n in range(LOWERED, LOWERED + 9):
+        codes = torch.randint(0, 1 << bits, (n,), generator=gen, dtype=torch.uint8)
+        assert torch.equal(kernels.pack_bytes(codes, bits), pack_bits(codes.to(torch.int64), bits))
+    assert kernels.pack_bytes(torch.ones(5, dtype=torch.uint8), 1).tolist() == [0b11111]  # no whole byte
+
+
+@pytest.mark.parametrize("name, params", [("qsgd", {}), ("terngrad", {}), ("efsignsgd", {})])
+def test_codes_packed_in_their_loop_equal_the_reference(name, params, monkeypatch, calls):
+    # GPUs pack codes in the loop that computes them; CPUs write them a byte each, then pack those.
+    monkeypatch.setattr(kernels, "packs_from_bytes", lambda device: False)
+    xs = [x.reshape(-1)[:-3].clone() for x in inputs(2, seed=3)]  # a partly filled last byte
+    assert_same_bits(run(name, params, xs, monkeypatch, fused=True), run(name, params, xs, monkeypatch, fused=False))
+    assert calls["n"] > 0 and kernels._failure is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -377,7 +397,7 @@ def test_a_failing_compiler_warns_once_and_falls_back_for_good(monkeypatch):
 
     monkeypatch.setattr(torch, "compile", no_compiler)
     # Fresh kernels (nothing compiled yet), as in a process without a compiler.
-    for attr in ("_qsgd_encode", "_qsgd_mean"):
+    for attr in ("_qsgd_encode", "_qsgd_code_bytes", "_qsgd_mean"):
         monkeypatch.setattr(quantize, attr, kernels.fused(getattr(quantize, attr).fn, min_numel=LOWERED))
     xs = inputs(1)
     with pytest.warns(RuntimeWarning, match="fused kernels are off") as caught:

@@ -150,15 +150,25 @@ def natural_reference(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(flat), out, float("nan")).reshape(x.shape)
 
 
-@kernels.fused
-def _qsgd_encode(flat, scale, draws, *, s: int, bs: int, bits: int):
-    """QSGD's packed codes: ratio = |v_i| * (s / ||v||), xi = floor(ratio) + [u < frac(ratio)] clamped
-    to 0..s, code = 2 xi + [v_i < 0] (as :meth:`QSGD.compress`, in one loop, u from ``draws``)."""
+def _qsgd_codes(flat, scale, draws, s: int, bs: int):
+    """QSGD's codes: ratio = |v_i| * (s / ||v||), xi = floor(ratio) + [u < frac(ratio)] clamped to
+    0..s, code = 2 xi + [v_i < 0] (as :meth:`QSGD.compress`, u from ``draws``), int32."""
     u = kernels.uniforms_from(flat, draws)
     ratio = flat.abs() * kernels.repeat_each(scale, bs, flat.shape[0])
     xi = torch.floor(ratio) + (u < torch.frac(ratio)).to(ratio.dtype)
-    codes = xi.to(torch.int32).clamp(0, s) * 2 + (flat < 0).to(torch.int32)
-    return kernels.pack_codes(codes, bits)
+    return xi.to(torch.int32).clamp(0, s) * 2 + (flat < 0).to(torch.int32)
+
+
+@kernels.fused
+def _qsgd_encode(flat, scale, draws, *, s: int, bs: int, bits: int):
+    """QSGD's packed codes in one loop (GPUs; see :func:`kernels.packs_from_bytes`)."""
+    return kernels.pack_codes(_qsgd_codes(flat, scale, draws, s, bs), bits)
+
+
+@kernels.fused
+def _qsgd_code_bytes(flat, scale, draws, out, *, s: int, bs: int):
+    """QSGD's codes a byte each into ``out``, for :func:`kernels.pack_bytes` (CPUs)."""
+    return out.copy_(_qsgd_codes(flat, scale, draws, s, bs).to(torch.uint8))
 
 
 @kernels.fused
@@ -255,7 +265,12 @@ class QSGD(GatheredCompressor):
             norms = torch.cat([whole.abs().amax(dim=1), tail.abs().amax(dim=1)])
         scale = torch.where(norms > 0, self.levels / norms, 0.0)
         draws = _kernel_draws(n, ctx, flat.device, drawn=self._buckets(n) * bs)
-        packed = _qsgd_encode(flat, scale, draws, s=self.levels, bs=bs, bits=self._bits)
+        if kernels.packs_from_bytes(flat.device):
+            codes = workspace("code bytes", n, torch.uint8, flat.device)
+            fused = _qsgd_code_bytes(flat, scale, draws, codes, s=self.levels, bs=bs)
+            packed = None if fused is None else kernels.pack_bytes(codes, self._bits)
+        else:
+            packed = _qsgd_encode(flat, scale, draws, s=self.levels, bs=bs, bits=self._bits)
         return None if packed is None else (norms.float(), packed)
 
     def decompress(self, fields, ctx, out=None):
@@ -344,15 +359,31 @@ class QSGD(GatheredCompressor):
         return 4 * self._buckets(n) + packed_nbytes(n, self._bits)
 
 
-@kernels.fused
-def _terngrad_encode(g, bound, s, draws):
-    """TernGrad's packed codes t + 1 of clip(g) (as :meth:`TernGrad._codes` and ``pack_bits``, one loop,
-    u from ``draws``)."""
+def _terngrad_codes(g, bound, s, draws):
+    """TernGrad's codes t + 1 of clip(g) (as :meth:`TernGrad._codes`, u from ``draws``), int32."""
     u = kernels.uniforms_from(g, draws)
     g = torch.clamp(g, -bound, bound)
     up = u < g.abs() / s.clamp_min(torch.finfo(torch.float32).tiny)
-    codes = ((g > 0) & up).to(torch.int32) * 2 + 1 - up.to(torch.int32)  # int32: see kernels.pack_codes
-    return kernels.pack_codes(codes, 2)
+    return ((g > 0) & up).to(torch.int32) * 2 + 1 - up.to(torch.int32)  # int32: see kernels.pack_codes
+
+
+@kernels.fused
+def _terngrad_encode(g, bound, s, draws):
+    """TernGrad's packed codes in one loop (GPUs; see :func:`kernels.packs_from_bytes`)."""
+    return kernels.pack_codes(_terngrad_codes(g, bound, s, draws), 2)
+
+
+@kernels.fused
+def _terngrad_code_bytes(g, bound, s, draws, out):
+    """TernGrad's codes a byte each into ``out``, for :func:`kernels.pack_bytes` (CPUs)."""
+    return out.copy_(_terngrad_codes(g, bound, s, draws).to(torch.uint8))
+
+
+def _terngrad_packed(g, bound, s, draws) -> Optional[torch.Tensor]:
+    if not kernels.packs_from_bytes(g.device):
+        return _terngrad_encode(g, bound, s, draws)
+    codes = workspace("code bytes", g.numel(), torch.uint8, g.device)
+    return None if _terngrad_code_bytes(g, bound, s, draws, codes) is None else kernels.pack_bytes(codes, 2)
 
 
 @kernels.fused
@@ -443,7 +474,7 @@ class TernGrad(Compressor):
             s_local = g.new_zeros(1)
         s = yield AllReduce(s_local, op="max")
         clip = bound if bound is not None else torch.tensor(math.inf, device=g.device)
-        packed = _terngrad_encode(g, clip, s, _kernel_draws(n, ctx, g.device)) if fused else None
+        packed = _terngrad_packed(g, clip, s, _kernel_draws(n, ctx, g.device)) if fused else None
         if packed is None:
             packed = pack_bits(self._codes(torch.clamp(g, -clip, clip) if fused else g, s, ctx), 2)
         gathered = yield AllGather((packed,), same_size=True)
