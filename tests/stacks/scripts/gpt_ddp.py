@@ -16,6 +16,9 @@ a method that applies momentum itself, DGC, as gradzip asks):
     static       DDP(static_graph=True)
     bucket_view  DDP(gradient_as_bucket_view=True)
     join         uneven inputs: rank r gets r more batches per epoch, under Join
+    fused        the plain loop, with gradzip's fused kernels on every tensor of at least 1024 elements
+                 (their defaults are 2^20 and 2^24, far above this model's tensors)
+    unfused      the plain loop, with the fused kernels off (GRADZIP_FUSED=0)
     checkpoint   the plain loop; after epoch 0 it saves model, optimizer and gradzip state to
                  ``save``/rank<r>.pt; given ``resume`` instead, it loads them and trains epoch 1 only
 """
@@ -44,6 +47,10 @@ class WithAuxHead(nn.Module):
 
 
 def train(method, params, feature, device, save=None, resume=None, **_):
+    if feature in ("fused", "unfused"):
+        with scenarios.kernels_from(1024, on=feature == "fused") as launches:
+            model, report = train(method, params, "plain", device)
+        return model, {**report, "kernel_launches": launches}
     rank = dist.get_rank()
     train_set, held_out, info = data(dist.get_world_size(), device)
     model = new_model(info)

@@ -15,9 +15,11 @@ every thread's stack to stderr and ends the process, and the test relaunches the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import json
 import math
+import os
 import time
 import traceback
 from pathlib import Path
@@ -40,6 +42,40 @@ def main(doc: str, train) -> None:
         torch.cuda.set_device(device)
     run_plan(args.plan, args.out, lambda **run: train(device=device, **run))
     dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def kernels_from(numel: int, on: bool):
+    """For the length of a run: gradzip's fused kernels on every tensor of at least ``numel``
+    elements (their defaults, 2^20 and 2^24, are far above these scripts' models), or, with ``on``
+    false, none at all (``GRADZIP_FUSED=0``).  Yields a dict that counts the kernels' launches by name."""
+    from gradzip import kernels
+
+    launches: dict = {}
+    run = kernels.Kernel.run
+
+    def counted(self, *args, **static):
+        launches[self.__name__] = launches.get(self.__name__, 0) + 1
+        return run(self, *args, **static)
+
+    saved = ({k: k.min_numel for k in kernels.KERNELS}, kernels.MIN_NUMEL, kernels.LARGE_NUMEL,
+             os.environ.get("GRADZIP_FUSED"))
+    kernels.MIN_NUMEL = kernels.LARGE_NUMEL = numel
+    for kernel in kernels.KERNELS:
+        kernel.min_numel = numel
+    os.environ["GRADZIP_FUSED"] = "1" if on else "0"
+    kernels.Kernel.run = counted
+    try:
+        yield launches
+    finally:
+        kernels.Kernel.run = run
+        thresholds, kernels.MIN_NUMEL, kernels.LARGE_NUMEL, switch = saved
+        for kernel, numel in thresholds.items():
+            kernel.min_numel = numel
+        if switch is None:
+            os.environ.pop("GRADZIP_FUSED", None)
+        else:
+            os.environ["GRADZIP_FUSED"] = switch
 
 
 def _plain(value):
