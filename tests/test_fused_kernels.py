@@ -212,6 +212,16 @@ def test_signum_momentum_update(params, monkeypatch, calls):
     assert results[0][0][1].is_contiguous()
 
 
+def with_residual(name, xs, kept, monkeypatch, fused):
+    """Every rank's (aggregate, new residual) of one exchange whose residual from earlier is ``kept``."""
+    monkeypatch.setenv("GRADZIP_FUSED", "1" if fused else "0")
+    comp = make(name)
+    ctxs = [TensorContext(key="w", shape=x.shape, dtype=x.dtype, step=3, rank=r, world_size=len(xs),
+                          state={"residual": e.clone()}) for r, (x, e) in enumerate(zip(xs, kept))]
+    outs = simulate([[feedback.exchange(comp, x, c)] for x, c in zip(xs, ctxs)])
+    return [(out[0].aggregate, c.updates["residual"]) for out, c in zip(outs, ctxs)]
+
+
 @pytest.mark.parametrize("world", [1, 3])
 def test_efsignsgd_residual_from_its_input_equals_the_decoded_one(world, monkeypatch):
     # With a residual kept from earlier, p = g + e is feedback's own: EF-signSGD then computes
@@ -222,16 +232,8 @@ def test_efsignsgd_residual_from_its_input_equals_the_decoded_one(world, monkeyp
     used = []
     original = sign._minus_scaled_signs
     monkeypatch.setattr(sign, "_minus_scaled_signs", lambda *args: used.append(1) or original(*args))
-    results = []
-    for fused in (True, False):
-        monkeypatch.setenv("GRADZIP_FUSED", "1" if fused else "0")
-        comp = make("efsignsgd")
-        ctxs = [TensorContext(key="w", shape=x.shape, dtype=x.dtype, step=3, rank=r, world_size=world,
-                              state={"residual": e.clone()}) for r, (x, e) in enumerate(zip(xs, kept))]
-        outs = simulate([[feedback.exchange(comp, x, c)] for x, c in zip(xs, ctxs)])
-        results.append([(out[0].aggregate, c.updates["residual"]) for out, c in zip(outs, ctxs)])
-        assert len(used) == world  # every rank subtracted by the kernel; none in the reference run
-    assert_same_bits(*results)
+    assert_same_bits(*(with_residual("efsignsgd", xs, kept, monkeypatch, fused) for fused in (True, False)))
+    assert len(used) == world  # every rank subtracted by the kernel; none in the reference run
 
 
 @pytest.mark.parametrize("shape", [(257, 257), (257 * 257,)], ids=["matrix", "vector"])  # a partly used last byte
@@ -266,16 +268,8 @@ def test_onebit_residual_from_its_input_equals_the_decoded_one(world, shape, mon
     used = []
     original = sign._minus_column_means
     monkeypatch.setattr(sign, "_minus_column_means", lambda *args: used.append(1) or original(*args))
-    results = []
-    for fused in (True, False):
-        monkeypatch.setenv("GRADZIP_FUSED", "1" if fused else "0")
-        comp = make("onebit")
-        ctxs = [TensorContext(key="w", shape=x.shape, dtype=x.dtype, step=3, rank=r, world_size=world,
-                              state={"residual": e.clone()}) for r, (x, e) in enumerate(zip(xs, kept))]
-        outs = simulate([[feedback.exchange(comp, x, c)] for x, c in zip(xs, ctxs)])
-        results.append([(out[0].aggregate, c.updates["residual"]) for out, c in zip(outs, ctxs)])
-        assert len(used) == world  # every rank subtracted by the kernel; none in the reference run
-    assert_same_bits(*results)
+    assert_same_bits(*(with_residual("onebit", xs, kept, monkeypatch, fused) for fused in (True, False)))
+    assert len(used) == world  # every rank subtracted by the kernel; none in the reference run
 
 
 @pytest.mark.parametrize("rank", [2, 3])
