@@ -465,6 +465,18 @@ def workspace(name: str, numel: int, dtype: torch.dtype, device: torch.device) -
     return buf[:numel]
 
 
+def packed_codes(n: int, bits: int, device: torch.device, in_loop: Callable[[], Optional[torch.Tensor]],
+                 as_bytes: Callable[[torch.Tensor], Optional[torch.Tensor]]) -> Optional[torch.Tensor]:
+    """n codes packed ``bits`` each by an encoding kernel: ``in_loop()`` packs them in the loop that
+    computes them (GPUs); on CPUs ``as_bytes(out)`` writes them a byte each into ``out`` and
+    :func:`kernels.pack_bytes` packs those (see :func:`kernels.packs_from_bytes`).  None where the
+    kernel did not run: the caller takes its reference path."""
+    if not kernels.packs_from_bytes(device):
+        return in_loop()
+    codes = workspace("code bytes", n, torch.uint8, device)
+    return None if as_bytes(codes) is None else kernels.pack_bytes(codes, bits)
+
+
 def chunked_sum(flat: torch.Tensor, fn: Callable, name: str) -> torch.Tensor:
     """The float32 sum of ``fn(chunk, out=...)`` (an elementwise op: ``torch.abs``, ``torch.square``)
     over the contiguous 1-D ``flat``, written a cached chunk at a time into a reused buffer and summed

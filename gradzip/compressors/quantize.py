@@ -15,7 +15,7 @@ import torch
 from .. import kernels
 from ..bits import byte_table, lookup_codes, pack_bits, packed_nbytes, unpack_bits
 from .base import (AllGather, AllReduce, Compressor, Exchanged, GatheredCompressor, TensorContext, chunked_sum, compare,
-                   workspace)
+                   packed_codes, workspace)
 from .registry import register
 
 
@@ -265,12 +265,9 @@ class QSGD(GatheredCompressor):
             norms = torch.cat([whole.abs().amax(dim=1), tail.abs().amax(dim=1)])
         scale = torch.where(norms > 0, self.levels / norms, 0.0)
         draws = _kernel_draws(n, ctx, flat.device, drawn=self._buckets(n) * bs)
-        if kernels.packs_from_bytes(flat.device):
-            codes = workspace("code bytes", n, torch.uint8, flat.device)
-            fused = _qsgd_code_bytes(flat, scale, draws, codes, s=self.levels, bs=bs)
-            packed = None if fused is None else kernels.pack_bytes(codes, self._bits)
-        else:
-            packed = _qsgd_encode(flat, scale, draws, s=self.levels, bs=bs, bits=self._bits)
+        packed = packed_codes(n, self._bits, flat.device,
+                              lambda: _qsgd_encode(flat, scale, draws, s=self.levels, bs=bs, bits=self._bits),
+                              lambda out: _qsgd_code_bytes(flat, scale, draws, out, s=self.levels, bs=bs))
         return None if packed is None else (norms.float(), packed)
 
     def decompress(self, fields, ctx, out=None):
@@ -379,13 +376,6 @@ def _terngrad_code_bytes(g, bound, s, draws, out):
     return out.copy_(_terngrad_codes(g, bound, s, draws).to(torch.uint8))
 
 
-def _terngrad_packed(g, bound, s, draws) -> Optional[torch.Tensor]:
-    if not kernels.packs_from_bytes(g.device):
-        return _terngrad_encode(g, bound, s, draws)
-    codes = workspace("code bytes", g.numel(), torch.uint8, g.device)
-    return None if _terngrad_code_bytes(g, bound, s, draws, codes) is None else kernels.pack_bytes(codes, 2)
-
-
 @kernels.fused
 def _terngrad_mean(out, s, *packed, per: int):
     """s * mean_r t_r into ``out`` viewed (words, ``per``): out[k, j] = (sum_r t_rkj) * s / world, where
@@ -474,7 +464,11 @@ class TernGrad(Compressor):
             s_local = g.new_zeros(1)
         s = yield AllReduce(s_local, op="max")
         clip = bound if bound is not None else torch.tensor(math.inf, device=g.device)
-        packed = _terngrad_packed(g, clip, s, _kernel_draws(n, ctx, g.device)) if fused else None
+        packed = None
+        if fused:
+            draws = _kernel_draws(n, ctx, g.device)
+            packed = packed_codes(n, 2, g.device, lambda: _terngrad_encode(g, clip, s, draws),
+                                  lambda out: _terngrad_code_bytes(g, clip, s, draws, out))
         if packed is None:
             packed = pack_bits(self._codes(torch.clamp(g, -clip, clip) if fused else g, s, ctx), 2)
         gathered = yield AllGather((packed,), same_size=True)

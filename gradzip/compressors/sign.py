@@ -25,7 +25,8 @@ import torch
 
 from .. import kernels
 from ..bits import pack_bits, packed_nbytes, select, unpack_bits
-from .base import AllGather, Exchanged, GatheredCompressor, TensorContext, chunked_sum, column_counts, compare, workspace
+from .base import (AllGather, Exchanged, GatheredCompressor, TensorContext, chunked_sum, column_counts, compare,
+                   packed_codes, workspace)
 from .registry import register
 
 #: How signSGD/Signum read an exact zero: "abstain" (sign 0, ternary code) or "plus" (sign +1, one bit).
@@ -45,13 +46,6 @@ def _pack_signs(flat):
 def _sign_bytes(flat, out):
     # Through int32: a comparison's bool stored as a byte runs some twenty times slower on CPUs.
     return out.copy_((flat >= 0).to(torch.int32).to(torch.uint8))
-
-
-def _packed_signs(flat: torch.Tensor) -> Optional[torch.Tensor]:
-    if not kernels.packs_from_bytes(flat.device):
-        return _pack_signs(flat)
-    codes = workspace("code bytes", flat.numel(), torch.uint8, flat.device)
-    return None if _sign_bytes(flat, codes) is None else kernels.pack_bytes(codes, 1)
 
 
 @kernels.fused(min_numel=kernels.LARGE_NUMEL)
@@ -134,7 +128,8 @@ def mean_abs(x: torch.Tensor) -> torch.Tensor:
 def encode_signs(x: torch.Tensor) -> torch.Tensor:
     """Packed sign bits of ``x`` (bit 1 for x >= 0), ceil(numel / 8) uint8 bytes."""
     flat = x.reshape(-1)
-    packed = _packed_signs(flat) if kernels.enabled(flat.numel()) else None
+    packed = packed_codes(flat.numel(), 1, flat.device, lambda: _pack_signs(flat),
+                          lambda out: _sign_bytes(flat, out)) if kernels.enabled(flat.numel()) else None
     if packed is not None:
         return packed
     return pack_bits(compare("ge", flat, 0, workspace("signs", flat.numel(), torch.bool, flat.device)), 1)
