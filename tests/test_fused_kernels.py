@@ -212,6 +212,20 @@ def test_signum_momentum_update(params, monkeypatch, calls):
     assert results[0][0][1].is_contiguous()
 
 
+def record_mean_kernel(monkeypatch, module, name, leading):
+    """Wrap ``module.name``, a kernel over every rank's payload after ``leading`` other arguments; the
+    list returned gets (ranks passed, whether its result was used) for each call."""
+    kernel, calls = getattr(module, name), []
+
+    def recorded(*args):
+        result = kernel(*args)
+        calls.append((len(args) - leading, result is not None))
+        return result
+
+    monkeypatch.setattr(module, name, recorded)
+    return calls
+
+
 def with_residual(name, xs, kept, monkeypatch, fused):
     """Every rank's (aggregate, new residual) of one exchange whose residual from earlier is ``kept``."""
     monkeypatch.setenv("GRADZIP_FUSED", "1" if fused else "0")
@@ -239,15 +253,7 @@ def test_efsignsgd_residual_from_its_input_equals_the_decoded_one(world, monkeyp
 @pytest.mark.parametrize("shape", [(257, 257), (257 * 257,)], ids=["matrix", "vector"])  # a partly used last byte
 @pytest.mark.parametrize("world", [1, 3])
 def test_onebit_mean_comes_from_its_kernel(world, shape, monkeypatch):
-    results = []
-    kernel = sign._mean_of_column_codes
-
-    def counted(out, means, *packed):
-        result = kernel(out, means, *packed)
-        results.append((len(packed), result is not None))
-        return result
-
-    monkeypatch.setattr(sign, "_mean_of_column_codes", counted)
+    results = record_mean_kernel(monkeypatch, sign, "_mean_of_column_codes", leading=2)
     gen = torch.Generator().manual_seed(16)
     xs = [torch.randn(shape, generator=gen) * 0.01 for _ in range(world)]
     xs[0].view(-1)[:3] = torch.tensor([0.0, -0.0, float("inf")])
@@ -434,15 +440,7 @@ def test_ternary_vote_of_many_ranks_keeps_the_reference_path(monkeypatch):
 @pytest.mark.parametrize("length", [None, SHAPE[0] * SHAPE[1] + 3])  # whole bytes; a last byte partly used
 @pytest.mark.parametrize("world", [1, 3])
 def test_efsignsgd_mean_comes_from_its_kernel(world, length, monkeypatch):
-    results = []
-    kernel = sign._mean_of_scaled_signs
-
-    def counted(out, scales, *packed):
-        result = kernel(out, scales, *packed)
-        results.append((len(packed), result is not None))
-        return result
-
-    monkeypatch.setattr(sign, "_mean_of_scaled_signs", counted)
+    results = record_mean_kernel(monkeypatch, sign, "_mean_of_scaled_signs", leading=2)
     xs = inputs(world) if length is None else [torch.cat([x.view(-1), x.view(-1)[:3] - 1]) for x in inputs(world)]
     fused = run("efsignsgd", {}, xs, monkeypatch, fused=True)
     assert results == [(world, True)] * world  # on every rank, its result used
@@ -451,15 +449,7 @@ def test_efsignsgd_mean_comes_from_its_kernel(world, length, monkeypatch):
 
 @pytest.mark.parametrize("world", [1, 3])
 def test_natural_mean_comes_from_its_kernel_on_cpus(world, monkeypatch):
-    results = []
-    kernel = quantize._natural_mean
-
-    def counted(out, *codes):
-        result = kernel(out, *codes)
-        results.append((len(codes), result is not None))
-        return result
-
-    monkeypatch.setattr(quantize, "_natural_mean", counted)
+    results = record_mean_kernel(monkeypatch, quantize, "_natural_mean", leading=1)
     xs = inputs(world, seed=8)
     xs[0][5, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])  # decoded to NaN
     fused = run("natural", {}, xs, monkeypatch, fused=True)
