@@ -26,8 +26,8 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["MIN_NUMEL", "LARGE_NUMEL", "UNROLL_RANKS", "KERNELS", "Kernel", "fused", "enabled", "pack_codes", "unpack_codes",
-           "packs_from_bytes", "pack_bytes",
+__all__ = ["MIN_NUMEL", "LARGE_NUMEL", "UNROLL_RANKS", "KERNELS", "Kernel", "fused", "enabled", "enabled_over_ranks",
+           "pack_codes", "unpack_codes", "packs_from_bytes", "pack_bytes",
            "repeat_each", "counter_uniforms", "uniforms_from"]
 
 #: The smallest tensor (elements) that takes a fused path: QSGD saves about 35 passes over 2^20
@@ -81,6 +81,12 @@ def written_finite(out: torch.Tensor, write: Callable[[int, int], object]) -> bo
 def enabled(numel: int) -> bool:
     """Whether a tensor of ``numel`` elements should take the fused path."""
     return numel >= MIN_NUMEL and _failure is None and os.environ.get("GRADZIP_FUSED", "1") != "0"
+
+
+def enabled_over_ranks(numel: int, world: int) -> bool:
+    """Whether a kernel summing ``world`` ranks' payloads of ``numel`` elements should run (its sum is
+    unrolled, so only up to :data:`UNROLL_RANKS` ranks)."""
+    return world <= UNROLL_RANKS and enabled(numel)
 
 
 def _disable(exc: BaseException) -> None:

@@ -57,7 +57,7 @@ def _decodes_fused(n: int, world: int, device: torch.device) -> bool:
     """Whether a decoding kernel takes the mean of ``world`` payloads of n elements.  On CPUs the byte
     table's path costs one to three passes more, which repays a kernel's compile only from
     :data:`kernels.LARGE_NUMEL` elements; elsewhere the kernels are the fast path from ``MIN_NUMEL``."""
-    return (world <= kernels.UNROLL_RANKS and kernels.enabled(n)
+    return (kernels.enabled_over_ranks(n, world)
             and (device.type != "cpu" or n >= kernels.LARGE_NUMEL))
 
 

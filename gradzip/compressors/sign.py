@@ -241,7 +241,7 @@ def _fused_trit_vote(gathered: list, n: int, scale: Optional[torch.Tensor], out:
     (whole) in one call, the last (the tail of ``out``) in a second (two compiles per world size);
     False where it does not apply."""
     world, m = len(gathered), gathered[0].numel()
-    if not (world <= kernels.UNROLL_RANKS and n >= _trit_vote_planes.min_numel and kernels.enabled(n)):
+    if not (kernels.enabled_over_ranks(n, world) and n >= _trit_vote_planes.min_numel):
         return False
     scale = torch.ones((), device=out.device) if scale is None else scale.reshape(())
     inv_powers = _inverse_powers_of_3(out.device)
@@ -347,7 +347,7 @@ class OneBit(GatheredCompressor):
         # tensor per rank was page-faulted in on every exchange): the same floats.  Or all of it in
         # one kernel (25M elements, one rank: 13 ms against 54).
         n, shape = ctx.shape.numel(), self.matrix_shape(ctx.shape)
-        if len(gathered) <= kernels.UNROLL_RANKS and kernels.enabled(n):
+        if kernels.enabled_over_ranks(n, len(gathered)):
             aggregate = ctx.buffer("aggregate", (n,), torch.float32, gathered[0][0].device)
             means = torch.stack([fields[0].view(2, -1) for fields in gathered])
             if _mean_of_column_codes(aggregate.view(shape), means, *(fields[1] for fields in gathered)) is not None:
@@ -583,7 +583,7 @@ class EFSignSGD(GatheredCompressor):
         aggregate = ctx.buffer("aggregate", ctx.shape, torch.float32, gathered[0][1].device)
         whole = n // 8
         flat = aggregate.view(-1)
-        if world <= kernels.UNROLL_RANKS and kernels.enabled(n) and _mean_of_scaled_signs(
+        if kernels.enabled_over_ranks(n, world) and _mean_of_scaled_signs(
                 flat[:8 * whole].view(whole, 8), torch.cat([fields[0].reshape(1) for fields in gathered]),
                 *(fields[1][:whole] for fields in gathered)) is not None:
             if n > 8 * whole:  # the last, partly used byte, as the reference decodes it

@@ -108,9 +108,7 @@ class Sparsifier(GatheredCompressor):
         dense = [self.is_dense(f, n) for f in gathered]
         positions = [None if d else idx.long() for d, (_, idx) in zip(dense, gathered)]
         union = means = None  # where the aggregate can be non-zero, when that is a small part of it
-        if all(dense) and _dense_mean(total, gathered):
-            pass  # the reference's sum and division below, in one pass
-        else:
+        if not (all(dense) and _dense_mean(total, gathered)):  # else summed and divided in one pass
             # Rank 0's part is 0 + v, not a copy of v: -0.0 sums to +0.0, as in the scatter-adds after it.
             if dense[0]:
                 torch.add(gathered[0][0], 0.0, out=total)
@@ -164,7 +162,7 @@ def _mean_of_dense(out, *values):
 def _dense_mean(total: torch.Tensor, gathered) -> bool:
     """The mean of the ranks' dense payloads into ``total`` by :func:`_mean_of_dense`, where it runs;
     False: the caller sums and divides."""
-    if len(gathered) > kernels.UNROLL_RANKS or not kernels.enabled(total.numel()):
+    if not kernels.enabled_over_ranks(total.numel(), len(gathered)):
         return False
     return _mean_of_dense(total, *(values for values, _ in gathered)) is not None
 
