@@ -212,9 +212,10 @@ def test_signum_momentum_update(params, monkeypatch, calls):
     assert results[0][0][1].is_contiguous()
 
 
-def record_mean_kernel(monkeypatch, module, name, leading):
-    """Wrap ``module.name``, a kernel over every rank's payload after ``leading`` other arguments; the
-    list returned gets (ranks passed, whether its result was used) for each call."""
+def record_kernel(monkeypatch, module, name, leading):
+    """Wrap the kernel ``module.name``; the list returned gets, for each call, (how many arguments it
+    took after the first ``leading``: for a mean over ranks, the ranks' payloads; whether its result
+    was used)."""
     kernel, calls = getattr(module, name), []
 
     def recorded(*args):
@@ -253,7 +254,7 @@ def test_efsignsgd_residual_from_its_input_equals_the_decoded_one(world, monkeyp
 @pytest.mark.parametrize("shape", [(257, 257), (257 * 257,)], ids=["matrix", "vector"])  # a partly used last byte
 @pytest.mark.parametrize("world", [1, 3])
 def test_onebit_mean_comes_from_its_kernel(world, shape, monkeypatch):
-    results = record_mean_kernel(monkeypatch, sign, "_mean_of_column_codes", leading=2)
+    results = record_kernel(monkeypatch, sign, "_mean_of_column_codes", leading=2)
     gen = torch.Generator().manual_seed(16)
     xs = [torch.randn(shape, generator=gen) * 0.01 for _ in range(world)]
     xs[0].view(-1)[:3] = torch.tensor([0.0, -0.0, float("inf")])
@@ -440,7 +441,7 @@ def test_ternary_vote_of_many_ranks_keeps_the_reference_path(monkeypatch):
 @pytest.mark.parametrize("length", [None, SHAPE[0] * SHAPE[1] + 3])  # whole bytes; a last byte partly used
 @pytest.mark.parametrize("world", [1, 3])
 def test_efsignsgd_mean_comes_from_its_kernel(world, length, monkeypatch):
-    results = record_mean_kernel(monkeypatch, sign, "_mean_of_scaled_signs", leading=2)
+    results = record_kernel(monkeypatch, sign, "_mean_of_scaled_signs", leading=2)
     xs = inputs(world) if length is None else [torch.cat([x.view(-1), x.view(-1)[:3] - 1]) for x in inputs(world)]
     fused = run("efsignsgd", {}, xs, monkeypatch, fused=True)
     assert results == [(world, True)] * world  # on every rank, its result used
@@ -449,7 +450,7 @@ def test_efsignsgd_mean_comes_from_its_kernel(world, length, monkeypatch):
 
 @pytest.mark.parametrize("world", [1, 3])
 def test_natural_mean_comes_from_its_kernel_on_cpus(world, monkeypatch):
-    results = record_mean_kernel(monkeypatch, quantize, "_natural_mean", leading=1)
+    results = record_kernel(monkeypatch, quantize, "_natural_mean", leading=1)
     xs = inputs(world, seed=8)
     xs[0][5, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])  # decoded to NaN
     fused = run("natural", {}, xs, monkeypatch, fused=True)
@@ -556,20 +557,13 @@ def test_qsgd_with_a_bucket_larger_than_the_tensor(monkeypatch):
 def test_threshold_dense_payload_and_mean_come_from_kernels(params, world, monkeypatch):
     # Threshold sending most elements: its payload where(|x| > tau, x, 0) from x alone, and the mean of
     # the ranks' dense payloads in one kernel; fp16 values round -1e-8 to -0.0, which the mean makes +0.
-    used = {"values": 0, "mean": 0}
-    for name, key in (("_above_tau", "values"), ("_mean_of_dense", "mean")):
-        kernel = getattr(sparse, name)
-
-        def counted(*args, kernel=kernel, key=key):
-            result = kernel(*args)
-            used[key] += result is not None
-            return result
-
-        monkeypatch.setattr(sparse, name, counted)
+    values = record_kernel(monkeypatch, sparse, "_above_tau", leading=0)  # (x, tau, out)
+    mean = record_kernel(monkeypatch, sparse, "_mean_of_dense", leading=1)
     xs = inputs(world, seed=12)
     xs[0][7, :5] = torch.tensor([-1e-8, float("nan"), float("inf"), -float("inf"), 0.005])
     fused = run("threshold", params, xs, monkeypatch, fused=True)
-    assert used == {"values": world if "value_dtype" not in params else 0, "mean": world}
+    assert values == [(3, True)] * (world if "value_dtype" not in params else 0)  # fp16 values: the mask
+    assert mean == [(world, True)] * world  # on every rank, over every rank's payload, its result used
     assert_same_bits(fused, run("threshold", params, xs, monkeypatch, fused=False))
 
 
