@@ -38,3 +38,39 @@ def kernels(
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
+
+
+@bench_app.command()
+def step(
+    device: Optional[str] = typer.Option(None, help="cuda | cpu (default: cuda where there is one)"),
+    model: str = typer.Option("gpt", help="gpt (the harness's GPT on random tokens)"),
+    width: Optional[int] = typer.Option(None, help="GPT width (default 1024 on cuda, 128 on cpu)"),
+    depth: Optional[int] = typer.Option(None, help="GPT layers (default 8 on cuda, 2 on cpu)"),
+    context: Optional[int] = typer.Option(None, help="tokens per sequence (default 256 on cuda, 64 on cpu)"),
+    batch: Optional[int] = typer.Option(None, help="sequences per step and rank (default 16 on cuda, 4 on cpu)"),
+    vocab: Optional[int] = typer.Option(None, help="vocabulary size (default 8192 on cuda, 256 on cpu)"),
+    steps: Optional[int] = typer.Option(None, help="timed steps (default 20 on cuda, 5 on cpu)"),
+    warmup: Optional[int] = typer.Option(None, help="untimed steps after the first (default 3 on cuda, 1 on cpu)"),
+    bucket_mb: float = typer.Option(25.0, help="DDP's bucket_cap_mb"),
+    amp: Optional[str] = typer.Option(None, help="bf16 | none (default bf16 on cuda, none on cpu)"),
+    profile_steps: int = typer.Option(2, help="steps under torch.profiler for the per-step counts"),
+    methods: Optional[str] = typer.Option(None, help="comma-separated: ddp, torch-allreduce, torch-fp16, torch-bf16, "
+                                                     "torch-powersgd and gradzip methods (default: all)"),
+    seed: int = 0,
+    json_out: Optional[Path] = typer.Option(None, "--json", help="write every number and the environment here"),
+):
+    """ms per DDP training step, x DDP, first step, peak memory, kernel launches and host syncs of DDP,
+    PyTorch's hooks and every gradzip method (under torchrun: every rank runs, rank 0 prints)."""
+    from .step import main
+
+    if model != "gpt":
+        typer.echo(f"error: --model must be 'gpt', got {model!r}", err=True)
+        raise typer.Exit(2)
+    names = [m.strip() for m in methods.split(",") if m.strip()] if methods else None
+    try:
+        main(names, device=device, width=width, depth=depth, context=context, batch=batch, vocab=vocab, steps=steps,
+             warmup=warmup, amp=amp, bucket_mb=bucket_mb, profile_steps=profile_steps, seed=seed,
+             json_out=str(json_out) if json_out else None, echo=typer.echo)
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)

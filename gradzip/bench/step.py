@@ -1,0 +1,301 @@
+"""Step benchmark: what one whole DDP training step costs with each communication hook.
+
+``gradzip bench step`` trains a GPT (``gradzip.harness.models.GPT`` on random tokens, AdamW, bf16
+autocast on CUDA) under DDP with each contender in turn, in one process, from the same seed:
+
+- ``ddp``: DDP with no hook (its C++ allreduce);
+- PyTorch's own hooks (``torch.distributed.algorithms.ddp_comm_hooks``): ``torch-allreduce``,
+  ``torch-fp16``, ``torch-bf16``, ``torch-powersgd`` (rank 4, compressing from the third step on:
+  ``start_powerSGD_iter=2``, the least PyTorch accepts with error feedback, which is on);
+- every gradzip method, ``gradzip.register(ddp_model, name)`` with :data:`BENCH_PARAMS` (DGC and
+  PowerSGD compress from the first step).  Methods that apply momentum themselves (DGC, Signum)
+  refuse AdamW and get plain SGD instead (the row says so).
+
+Per contender: ``first_ms``, the first step alone (DDP's first step builds buckets, a hook allocates
+its state, CUDA loads kernels); then ``warmup`` untimed steps; then ``steps`` timed steps, each between
+two synchronisations (so no step overlaps the next), whose median is ``ms``.  ``peak_mb`` is
+``torch.cuda.max_memory_allocated`` over the whole run (CUDA only).  Then ``profile_steps`` more steps
+run under ``torch.profiler`` on every thread (gradzip compresses on a thread of its own and CUDA
+backward runs on autograd's device threads; without ``profile_all_threads``, where torch lacks it, only
+the calling thread counts and ``all_threads`` is false).  Counted per step:
+
+- ``launches`` (CUDA): runtime calls whose name starts with ``cudaLaunchKernel`` or ``cuLaunchKernel``;
+- ``syncs`` (CUDA): host-blocking runtime calls ``cudaStreamSynchronize``, ``cudaDeviceSynchronize``,
+  ``cudaEventSynchronize`` and synchronous ``cudaMemcpy`` (``.item()``, ``nonzero`` and ``.tolist()``
+  of a CUDA tensor each end in one of these);
+- ``aten_ops``: every ``aten::`` event, nested ones included (an op calling another counts twice); on a
+  CPU, which launches nothing, this is the measure of how many operations a step dispatches;
+- ``host_reads``: operations whose result the host must read before it can go on:
+  ``aten::_local_scalar_dense`` (what ``.item()``, ``bool()``, ``int()`` of a tensor reach; ``aten::item``
+  itself is not counted again), ``aten::nonzero``, ``aten::masked_select``, ``aten::unique*``.
+
+Under torchrun (WORLD_SIZE > 1) every rank runs the same contenders and rank 0 reports its own
+numbers; alone, the command makes a one-process group itself (gloo on CPU, NCCL on CUDA, FileStore).
+A contender that raises is a row with its error; the others still run.  An untimed plain-DDP run comes
+first, so that the process's own first steps (CUDA context, kernel loading, thread pools) count for nobody.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradzip
+from ..harness.data import DatasetInfo
+from ..harness.models import GPT
+from .kernels import BENCH_PARAMS, machine
+
+__all__ = ["BASELINES", "defaults", "run", "format_table", "main"]
+
+BASELINES = ("ddp", "torch-allreduce", "torch-fp16", "torch-bf16", "torch-powersgd")
+
+#: Defaults per device: a 109M-parameter GPT on a GPU (13 buckets of 25 MB), a 0.4M one on a CPU.
+DEFAULTS = {
+    "cuda": dict(width=1024, depth=8, context=256, batch=16, vocab=8192, steps=20, warmup=3, amp="bf16"),
+    "cpu": dict(width=128, depth=2, context=64, batch=4, vocab=256, steps=5, warmup=1, amp="none"),
+}
+LAUNCH_PREFIXES = ("cudaLaunchKernel", "cuLaunchKernel")
+SYNC_NAMES = frozenset({"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy"})
+READ_NAMES = frozenset({"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select"})
+
+
+def defaults(device: str) -> dict:
+    return dict(DEFAULTS["cuda" if device.startswith("cuda") else "cpu"])
+
+
+def _model(cfg: dict) -> GPT:
+    """The benchmark's GPT: heads of 64 channels (one head below width 64); random tokens need no dataset."""
+    info = DatasetInfo("random tokens", (cfg["context"],), cfg["vocab"], "language_model")
+    return GPT(info, layers=cfg["depth"], width=cfg["width"], heads=max(1, cfg["width"] // 64))
+
+
+def _all_threads_config():
+    """The profiler's all-threads switch where this torch has it (else None: the calling thread only)."""
+    try:
+        return torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    except (AttributeError, TypeError, RuntimeError):
+        return None
+
+
+def _init_group(device: torch.device) -> bool:
+    """Join torchrun's group, or make a one-process one; True if this call made it (and must destroy it)."""
+    if dist.is_initialized():
+        return False
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dist.init_process_group(backend)  # torchrun's env:// rendezvous
+    else:
+        path = tempfile.mkstemp(prefix="gradzip_step_")[1]
+        os.unlink(path)  # FileStore creates it; a stale file from an earlier run would confuse it
+        dist.init_process_group(backend, store=dist.FileStore(path, 1), rank=0, world_size=1)
+    return True
+
+
+def _attach(name: str, ddp: DDP):
+    """Install contender ``name`` on ``ddp``; returns gradzip's state (or None) and a note for the row."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if name == "ddp":
+        return None, ""
+    hooks = {"torch-allreduce": default_hooks.allreduce_hook, "torch-fp16": default_hooks.fp16_compress_hook,
+             "torch-bf16": default_hooks.bf16_compress_hook}
+    if name in hooks:
+        ddp.register_comm_hook(None, hooks[name])
+        return None, ""
+    if name == "torch-powersgd":
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2)
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        return None, "rank 4"
+    params = dict(BENCH_PARAMS.get(name, {}))
+    note = ",".join(f"{k}={v}" for k, v in params.items())
+    return gradzip.register(ddp, name, **params), note
+
+
+def _count(events, all_threads: bool, steps: int) -> dict:
+    names = Counter(e.name for e in events)
+    per = lambda n: n / steps  # noqa: E731
+    return {"launches": per(sum(c for n, c in names.items() if n.startswith(LAUNCH_PREFIXES))),
+            "syncs": per(sum(c for n, c in names.items() if n in SYNC_NAMES)),
+            "aten_ops": per(sum(c for n, c in names.items() if n.startswith("aten::"))),
+            "host_reads": per(sum(c for n, c in names.items() if n in READ_NAMES or n.startswith("aten::unique"))),
+            "all_threads": all_threads}
+
+
+def _contender(name: str, cfg: dict, device: torch.device, x: torch.Tensor, y: torch.Tensor) -> dict:
+    """Build a fresh model, DDP and optimizer, install ``name`` and measure; raises what the step raises."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    torch.manual_seed(cfg["seed"])
+    model = _model(cfg).to(device)
+    ddp = DDP(model, device_ids=[device.index] if cuda else None, bucket_cap_mb=cfg["bucket_mb"])
+    state, note = _attach(name, ddp)
+    momentum = state is not None and state.compressor.applies_momentum
+    opt = (torch.optim.SGD(model.parameters(), lr=1e-3) if momentum
+           else torch.optim.AdamW(model.parameters(), lr=3e-4))
+    if momentum:
+        note = ",".join(filter(None, [note, "SGD"]))
+    amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg["amp"] == "bf16")
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with amp:
+            loss = F.cross_entropy(ddp(x).flatten(0, 1).float(), y.flatten())
+        loss.backward()
+        opt.step()
+
+    def timed() -> float:
+        if cuda:
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        step()
+        if cuda:
+            torch.cuda.synchronize(device)
+        return 1e3 * (time.perf_counter() - start)
+
+    try:
+        first = timed()
+        for _ in range(cfg["warmup"]):
+            step()
+        times = [timed() for _ in range(cfg["steps"])]
+        peak = torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None
+        config = _all_threads_config()
+        activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+        if cuda:
+            torch.cuda.synchronize(device)
+        with torch.profiler.profile(activities=activities, experimental_config=config) as prof:
+            for _ in range(cfg["profile_steps"]):
+                step()
+        if cuda:
+            torch.cuda.synchronize(device)
+        counts = _count(prof.events(), config is not None, cfg["profile_steps"])
+    finally:
+        if state is not None:
+            state.close()
+    return {"ms": statistics.median(times), "min_ms": min(times), "first_ms": first, "peak_mb": peak,
+            "note": note, **counts}
+
+
+def run(methods: Optional[Sequence[str]] = None, *, device: Optional[str] = None, seed: int = 0,
+        bucket_mb: float = 25.0, profile_steps: int = 2, progress: Optional[Callable[[str], None]] = None,
+        **options) -> dict:
+    """Run every contender; returns a JSON-ready dict (see :func:`format_table`).  ``options`` override
+    :data:`DEFAULTS` (width, depth, context, batch, vocab, steps, warmup, amp)."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.split(":")[0] not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda: this torch sees no CUDA GPU")
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", dev.index or 0)))
+        torch.cuda.set_device(dev)
+    cfg = {**defaults(dev.type), **{k: v for k, v in options.items() if v is not None}}
+    unknown = set(cfg) - set(DEFAULTS["cpu"])
+    if unknown:
+        raise ValueError(f"unknown option(s) {', '.join(sorted(unknown))}")
+    if cfg["amp"] not in ("bf16", "none"):
+        raise ValueError(f"amp must be 'bf16' or 'none', got {cfg['amp']!r}")
+    for key in ("width", "depth", "context", "batch", "vocab", "steps", "profile_steps"):
+        value = profile_steps if key == "profile_steps" else cfg[key]
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{key} must be an integer >= 1, got {value!r}")
+    if not isinstance(cfg["warmup"], int) or cfg["warmup"] < 0:
+        raise ValueError(f"warmup must be an integer >= 0, got {cfg['warmup']!r}")
+    cfg.update(seed=seed, bucket_mb=bucket_mb, profile_steps=profile_steps)
+    valid = list(BASELINES) + gradzip.compressors()
+    names = list(methods) if methods else valid
+    bad = [m for m in names if m not in valid]
+    if bad:
+        raise ValueError(f"unknown method(s) {', '.join(bad)}; valid: {', '.join(valid)}")
+
+    owned = _init_group(dev)
+    try:
+        gen = torch.Generator().manual_seed(seed)
+        tokens = torch.randint(cfg["vocab"], (cfg["batch"], cfg["context"] + 1), generator=gen).to(dev)
+        x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        # The process's own first steps (thread pools, CUDA context and kernels, allocator) would
+        # otherwise land on the first contender: an untimed plain-DDP run takes them.
+        _contender("ddp", {**cfg, "steps": 1, "warmup": 1, "profile_steps": 1}, dev, x, y)
+        rows = []
+        for name in names:
+            if progress and dist.get_rank() == 0:
+                progress(f"{name} ...")
+            try:
+                row = {"method": name, **_contender(name, cfg, dev, x, y)}
+            except Exception as exc:  # a broken contender is a row, not the end of the table
+                msg = (str(exc).strip().splitlines() or [""])[0]
+                row = {"method": name, "error": f"{type(exc).__name__}: {msg}"[:200]}
+            rows.append(row)
+            gc.collect()
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+        dense = next((r["ms"] for r in rows if r["method"] == "ddp" and "ms" in r), None)
+        for r in rows:
+            if "ms" in r:
+                r["x_ddp"] = r["ms"] / dense if dense else None
+        with torch.device("meta"):
+            params = sum(p.numel() for p in _model(cfg).parameters())
+        env = {**machine(dev), "world_size": dist.get_world_size(), "backend": dist.get_backend(),
+               "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:])}
+        return {"env": env, "config": {**cfg, "parameters": params}, "rows": rows}
+    finally:
+        if owned:
+            dist.destroy_process_group()
+
+
+def _fmt(value, spec: str) -> str:
+    """``value`` in ``spec`` (a width first), or a right-aligned "-" of that width for None."""
+    return format(value, spec) if value is not None else "-".rjust(int(spec.split(".")[0]))
+
+
+def format_table(result: dict) -> str:
+    env, c = result["env"], result["config"]
+    cuda = env["device"].startswith("cuda")
+    lines = [f"gradzip step benchmark: {env.get('gpu') or env['cpu']}, torch {env['torch']}, world size "
+             f"{env['world_size']} ({env['backend']}); GPT {c['parameters'] / 1e6:.1f}M parameters (width "
+             f"{c['width']}, depth {c['depth']}, context {c['context']}, vocab {c['vocab']}), batch {c['batch']}, "
+             f"amp {c['amp']}, buckets {c['bucket_mb']:g} MB; median of {c['steps']} steps after "
+             f"{c['warmup']} + 1 warm-up", ""]
+    count = ("launches", "syncs") if cuda else ("aten_ops",)
+    head = f"{'method':16s} {'ms/step':>8s} {'x DDP':>6s} {'first ms':>9s} {'peak MB':>8s}"
+    head += "".join(f" {h:>9s}" for h in count) + f" {'reads':>6s}  note"
+    lines.append(head)
+    for r in result["rows"]:
+        if "error" in r:
+            lines.append(f"{r['method']:16s} error: {r['error']}")
+            continue
+        line = (f"{r['method']:16s} {r['ms']:8.2f} {_fmt(r['x_ddp'], '6.2f')} {r['first_ms']:9.1f} "
+                f"{_fmt(r['peak_mb'], '8.0f')}")
+        line += "".join(f" {r[k]:9.0f}" for k in count) + f" {r['host_reads']:6.0f}  {r['note']}"
+        lines.append(line.rstrip())
+    all_threads = all(r.get("all_threads", True) for r in result["rows"])
+    lines += ["", "ms/step: median of the timed steps, each between two synchronisations; first ms: the first "
+              "step; peak MB: max_memory_allocated; per step, from torch.profiler over "
+              f"{c['profile_steps']} steps ({'all threads' if all_threads else 'the calling thread only'}): "
+              + ("launches: cuda*LaunchKernel* calls, syncs: stream/device/event synchronize and synchronous "
+                 "memcpy calls" if cuda else "aten_ops: aten:: operations, nested included")
+              + "; reads: _local_scalar_dense (item, bool), nonzero, masked_select, unique*"]
+    return "\n".join(lines)
+
+
+def main(methods: Optional[Sequence[str]] = None, *, json_out: Optional[str] = None, echo=print, **kwargs) -> dict:
+    result = run(methods, progress=echo, **kwargs)
+    if result["env"]["world_size"] == 1 or int(os.environ.get("RANK", "0")) == 0:
+        echo(format_table(result))
+        if json_out:
+            with open(json_out, "w") as f:
+                json.dump(result, f, indent=2)
+            echo(f"wrote {json_out}")
+    return result
