@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The GPU checks in one run (about 5 minutes on an H100), from the repository root:
+#   PYTHONPATH=. bash scripts/gpu_check.sh
+# Needs torch with CUDA, typer, rich and pytest (installs nothing).  Every step's output also goes to
+# $OUT_DIR: step.json/step.log (gradzip bench step), gpu_tests.log, kernels.json/kernels.log.
+# A failing step does not stop the later ones; the script exits 1 if bench step or bench kernels failed
+# (the GPU tests' result is reported, not fatal: GPU_TESTS may select tests that do not exist yet).
+set -euo pipefail
+
+OUT_DIR=${OUT:-/tmp/gradzip_gpu}
+GPU_TESTS=${GPU_TESTS:-"sync_debug or bucket"}
+PYTHON=${PYTHON:-python}
+mkdir -p "$OUT_DIR"
+export PYTHONPATH=${PYTHONPATH:-.}
+
+nvidia-smi -L | tee "$OUT_DIR/nvidia-smi.txt"
+"$PYTHON" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0))' \
+  | tee "$OUT_DIR/torch.txt"
+
+step_rc=0
+echo "== gradzip bench step (DDP, PyTorch's hooks, every gradzip method) =="
+timeout 300 "$PYTHON" -m gradzip bench step --device cuda --json "$OUT_DIR/step.json" 2>&1 \
+  | tee "$OUT_DIR/step.log" || step_rc=$?
+
+echo "== GPU tests: -k \"$GPU_TESTS\" =="
+tests_rc=0
+timeout 120 "$PYTHON" -m pytest -q -x tests/stacks/test_gpu.py -k "$GPU_TESTS" 2>&1 \
+  | tee "$OUT_DIR/gpu_tests.log" || tests_rc=$?
+
+echo "== gradzip bench kernels (flat 25M, 3 rounds) =="
+kernels_rc=0
+timeout 180 "$PYTHON" -m gradzip bench kernels --device cuda --workloads flat --repeat 3 \
+  --json "$OUT_DIR/kernels.json" 2>&1 | tee "$OUT_DIR/kernels.log" || kernels_rc=$?
+
+echo "exit codes: bench step $step_rc, GPU tests $tests_rc (5: none selected), bench kernels $kernels_rc (124: timed out)" \
+  | tee "$OUT_DIR/summary.txt"
+echo "outputs in $OUT_DIR"
+[ "$step_rc" = 0 ] && [ "$kernels_rc" = 0 ]
