@@ -170,6 +170,7 @@ class _Phase:
         self.report = report
         self.buffers = buffers
         self.index = 0  # which phase of the exchange: each keeps buffers of its own
+        self.device_flag = False  # the flag stays a tensor, never read on the host (run_lockstep)
 
     def _buffer(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> Optional[torch.Tensor]:
         """This phase's kept buffer ``name``, or None (no reuse, small, or not on the CPU)."""
@@ -226,7 +227,7 @@ class _Phase:
             self.report.wire_bytes += _nbytes(flat)
             flat = self._timed(self.t.allreduce, flat, op)
         if flag is not None:
-            flag_out = bool(flat[-1] > 0)
+            flag_out = flat[-1] > 0 if self.device_flag else bool(flat[-1] > 0)
         # Each result is a view into the fused buffer: it belongs to this exchange alone (never to the
         # request's payload), and the views do not overlap, so no copy is needed.
         offset = 0
@@ -265,7 +266,9 @@ class _Phase:
             self.report.wire_bytes += _nbytes(buf)
             outs = [self._buffer(f"allgather{r}", longest, torch.uint8, device) for r in range(self.t.world_size)]
             gathered = self._timed(self.t.allgather, buf) if outs[0] is None else self._timed(self.t.allgather_into, buf, outs)
-            if flag is not None:
+            if flag is not None and self.device_flag:
+                flag_out = torch.stack([g[sum(row)] for g, row in zip(gathered, size_rows)]).gt(0).any()
+            elif flag is not None:
                 flag_out = any(bool(g[sum(row)] > 0) for g, row in zip(gathered, size_rows))
         else:
             gathered = [torch.empty(0, dtype=torch.uint8, device=device)] * world
@@ -290,18 +293,24 @@ def run_lockstep(gens: Sequence[Generator], transport: Transport, nonfinite_loca
     """Run exchange generators to completion in lockstep; returns (their return values, report).
 
     ``nonfinite_local``: whether this rank's input holds NaN or Inf, or a callable that says so once
-    every generator ran up to its first collective (which carries the flag to every rank).
+    every generator ran up to its first collective (which carries the flag to every rank), or a 0-d
+    bool tensor: the flag is then carried without any host read, and ``report.nonfinite`` is a bool
+    tensor on the flag's device (the bucket route).
 
     ``buffers``: a dict in which to keep the fused collectives' buffers for the next exchange of the
     same tensors (the caller copies the results out before then); None allocates fresh ones.
     """
     report = ExchangeReport(per_tensor_payload=[0] * len(gens))
     phase = _Phase(transport, report, buffers)
+    phase.device_flag = isinstance(nonfinite_local, torch.Tensor)
     pending = dict(enumerate(gens))
     inbox: dict[int, object] = {i: None for i in pending}
     outputs: list = [None] * len(gens)
 
     def local_flag() -> torch.Tensor:
+        if phase.device_flag:
+            report.nonfinite = nonfinite_local
+            return nonfinite_local
         report.nonfinite = bool(nonfinite_local() if callable(nonfinite_local) else nonfinite_local)
         return torch.tensor([1.0 if report.nonfinite else 0.0])
 
@@ -326,7 +335,7 @@ def run_lockstep(gens: Sequence[Generator], transport: Transport, nonfinite_loca
         phase.index += 1
         if not flag_known:
             flag_known = True
-            report.nonfinite = bool(flag_out)
+            report.nonfinite = flag_out if phase.device_flag else bool(flag_out)
         inbox = results
     return outputs, report
 

@@ -316,6 +316,24 @@ def exchange(compressor: Compressor, g: torch.Tensor, ctx: TensorContext) -> Exc
     return (yield from scheme_of(compressor).exchange(compressor, x, ctx, run, compressed))
 
 
+def takes_bucket(compressor: Compressor) -> bool:
+    """Whether the compressor's feedback scheme has a bucket route (:func:`bucket_exchange`)."""
+    return type(scheme_of(compressor)) in (NoFeedback, Residual)
+
+
+def bucket_exchange(compressor: Compressor, g: torch.Tensor, b) -> Exchange:
+    """Compress a whole bucket, the flat ``g``, with the compressor's feedback scheme (none, or residual:
+    p = g + e; send C(p); e = p - D(C(p)), with e one flat tensor in ``b``'s state, staged for the owner
+    to commit)."""
+    if isinstance(scheme_of(compressor), NoFeedback):
+        return (yield from compressor.bucket_exchange(g.float(), b))
+    e = b.get("residual")
+    p = g.float() if e is None else torch.add(g, e)
+    result = yield from compressor.bucket_exchange(p, b)
+    b.set("residual", _minus_sent(p, result, own=e is not None or g.dtype != torch.float32))
+    return result
+
+
 def _withdrawing_overlapping_out(run):
     """``run``, except that the caller's output is not lent as the aggregate buffer when it shares
     memory with the compressor's input: a compressor may read its input after building the aggregate."""

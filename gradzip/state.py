@@ -25,6 +25,7 @@ import torch.distributed as dist
 from . import feedback as _feedback
 from . import kernels
 from .kernels import any_nonfinite as _any_nonfinite
+from .buckets import BucketRoute, takes_bucket_route
 from .collectives import Transport, run_lockstep, transport_for
 from .compressors import make
 from .compressors.base import SPARE, Compressor, TensorContext
@@ -161,12 +162,24 @@ class GradzipState:
     quantises over the group rather than over each vector, and the groups follow the integration's
     buckets: DDP regroups after its first step, and a run resumed from a checkpoint under DDP is not
     bit for bit the uninterrupted one.  0 (the default): each tensor on its own.
+
+    ``bucketed``: exchange each bucket (all gradients of one :meth:`exchange` call) at once, with a
+    number of operations that does not grow with its tensors and no host read of the device
+    (:mod:`gradzip.buckets`), for the methods that implement it; other methods, and grouped vectors,
+    keep the per-tensor route.  None (the default): on CUDA gradients only, where per-tensor operations
+    and host reads are what a step waits for.  Results equal the per-tensor route's up to the order of
+    float sums; on this route a skipped (non-finite) step is learnt by the host at the bucket's next
+    exchange, which then takes back its step counters.
     """
 
     def __init__(self, compressor: Compressor | str, *, group: Optional[dist.ProcessGroup] = None,
                  seed: int = 0, transport: Optional[Transport] = None, feedback=None,
-                 group_vectors_below: int = 0, **params):
+                 group_vectors_below: int = 0, bucketed: Optional[bool] = None, **params):
         self.group_vectors_below = check_group_vectors_below(group_vectors_below)
+        if bucketed not in (None, True, False):
+            raise ValueError(f"bucketed must be None (on CUDA only), True or False, got {bucketed!r}")
+        self.bucketed = bucketed
+        self._route = BucketRoute()
         if feedback is None:
             self.compressor = make(compressor, **params)
         elif isinstance(feedback, str) and not isinstance(compressor, Compressor):
@@ -264,6 +277,8 @@ class GradzipState:
         """
         if out is not None and len(out) != len(named_grads):
             raise ValueError(f"exchange: out has {len(out)} tensors for {len(named_grads)} gradients")
+        if self._takes_bucket_route(named_grads):
+            return self._route.exchange(self, named_grads, out)
         plan = _vector_groups(named_grads, self.group_vectors_below)
         moves = self._moves(named_grads, plan)
         if plan is None:
@@ -305,6 +320,14 @@ class GradzipState:
                 start += shape.numel()
                 results[i] = piece if out is None else out[i].copy_(piece)
         return results
+
+    def _takes_bucket_route(self, named_grads: Sequence[tuple[str, torch.Tensor]]) -> bool:
+        if self.bucketed is False or self.group_vectors_below > 0 or not named_grads:
+            return False
+        if self.bucketed is None and not named_grads[0][1].is_cuda:
+            return False
+        return (takes_bucket_route(self.compressor, [g for _, g in named_grads], self.world_size)
+                and self.compressor.takes_bucket(self.world_size))
 
     def _moves(self, named_grads: Sequence[tuple[str, torch.Tensor]], plan: Optional[list]) -> dict:
         """``{name: (key, key before)}`` for each small vector that :meth:`exchange` now sends under
@@ -634,6 +657,7 @@ class GradzipState:
     def stats(self) -> dict:
         """Cumulative counters of this worker: bytes it handed to collectives (``bytes_sent``), the dense
         fp32/fp16 equivalent, the achieved ratio, collectives issued and the time split."""
+        self._route.resolve(self.steps, self.totals)
         t = dict(self.totals)
         t["bytes_sent"] = t["wire_bytes"]
         t["ratio"] = t["dense_bytes"] / t["wire_bytes"] if t["wire_bytes"] else float("nan")
@@ -647,6 +671,7 @@ class GradzipState:
 
         Residuals and momenta are this rank's own, so save one state_dict per rank; it records its rank.
         """
+        self._route.resolve(self.steps, self.totals)
         return {
             "rank": self.rank,
             "compressor": self.compressor.name,
@@ -675,6 +700,7 @@ class GradzipState:
         self.steps = dict(state["steps"])
         self.tensors = {k: {n: v.clone() for n, v in slot.items()} for k, slot in state["tensors"].items()}
         self.totals.update(state.get("totals", {}))
+        self._route = BucketRoute()  # its flat state is rebuilt from the loaded tensors
 
 
 def _registered(group: dist.ProcessGroup) -> bool:

@@ -336,6 +336,26 @@ class Compressor:
     def exchange(self, x: torch.Tensor, ctx: TensorContext) -> Exchange:
         raise NotImplementedError
 
+    #: True when the method implements :meth:`bucket_exchange`.
+    bucketed: ClassVar[bool] = False
+
+    def takes_bucket(self, world_size: int) -> bool:
+        """Whether :meth:`bucket_exchange` serves buckets exchanged among ``world_size`` ranks."""
+        return self.bucketed
+
+    def bucket_exchange(self, p: torch.Tensor, b) -> Exchange:
+        """The exchange of a whole bucket at once: ``p`` is the flat (error-compensated) input, ``b`` a
+        :class:`~.bucket.BucketContext`.  Yields requests as :meth:`exchange` does and returns an
+        :class:`Exchanged` whose ``aggregate`` and ``sent`` are flat; per-tensor semantics stay those of
+        :meth:`exchange` applied to each tensor, up to the order of float sums.  Its number of tensor
+        operations must not grow with the number of tensors, and it must not read the device from the
+        host (no ``item``, ``nonzero``, ``tolist``): the bucket route runs without host syncs."""
+        raise NotImplementedError
+
+    def bucket_payload_bytes(self, layout) -> int:
+        """The wire formula of :meth:`bucket_exchange`: bytes this worker hands to collectives."""
+        raise NotImplementedError
+
     def observe_step(self, keys: Sequence[str], now: float) -> None:
         """Called by ``GradzipState`` when these tensors' exchange starts (``now``: ``time.perf_counter()``),
         whether the exchange runs through :meth:`exchange` or the integration sends them densely itself

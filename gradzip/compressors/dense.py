@@ -51,6 +51,16 @@ class NoCompression(SummableCompressor):
     def payload_bytes(self, ctx, kept=None):
         return ctx.shape.numel() * ctx.dtype.itemsize
 
+    bucketed = True
+
+    def bucket_exchange(self, p, b):
+        payload = p if b.world_size == 1 else torch.div(p, b.world_size)
+        total = yield AllReduce(payload)
+        return Exchanged(total, lambda: payload if b.world_size == 1 else payload * b.world_size)
+
+    def bucket_payload_bytes(self, layout):
+        return layout.numel * layout.dtype.itemsize
+
 
 class _HalfCast(SummableCompressor):
     # Divide by N before the cast, as PyTorch's fp16 hook does, so the sum cannot overflow fp16.
@@ -78,6 +88,20 @@ class _HalfCast(SummableCompressor):
         # (11 significant bits in fp16, 8 in bf16) times N < 2^13 is exact in fp32, and so is dividing
         # it by N again.  So the half sum is the aggregate as it is: the owner's cast is exact.
         return Exchanged(total, lambda: self.decompress(payload, ctx))
+
+    def takes_bucket(self, world_size):
+        return world_size < 2**13  # see exchange: the half sum is then the mean exactly
+
+    bucketed = True
+
+    def bucket_exchange(self, p, b):
+        # x / N in fp32 (exact for N = 1), rounded once to the half type, as in exchange()
+        payload = (p if b.world_size == 1 else torch.div(p, b.world_size)).to(self.half_dtype)
+        total = yield AllReduce(payload)
+        return Exchanged(total, lambda: payload.float().mul_(b.world_size))
+
+    def bucket_payload_bytes(self, layout):
+        return layout.numel * 2
 
     def allreduce_dtype(self, ctx):
         # The exchange's mean is float(sum of half(x / N)) itself while N < 2^13 (FP16.exchange; bf16's

@@ -1,0 +1,223 @@
+"""The bucket route: :class:`GradzipState`'s exchange of a whole bucket at once, decided on the device.
+
+For a method with :meth:`Compressor.bucket_exchange` (and error feedback ``none`` or ``residual``), one
+exchange takes the bucket's flat buffer instead of its tensors one by one:
+
+1. the bucket's layout (keys, shapes, offsets) is built once and cached;
+2. error feedback keeps one flat residual per bucket, and the state's per-name entries (what
+   ``state_dict`` saves) are views of it, so checkpoints keep their per-tensor format;
+3. the non-finite rule is decided on the device: this rank's flag (NaN or Inf in its input) is a
+   device tensor that rides the first collective; the aggregate is multiplied by 1 or NaN (so a
+   skipped step is NaN on every rank) and the new residual is committed by ``torch.where`` — no host
+   read, so the exchange never waits for the device;
+4. the host learns whether the step was skipped at the bucket's next exchange (from pinned memory
+   written when the flag was computed), and only then corrects its step counters.
+
+The per-tensor route (:func:`gradzip.collectives.run_lockstep` over each tensor's generator) stays for
+every other method and case; :func:`takes_bucket_route` says which one an exchange takes.
+"""
+from __future__ import annotations
+
+import ctypes
+import time
+from typing import Optional, Sequence
+
+import torch
+
+from . import feedback as _feedback
+from .collectives import run_lockstep
+from .compressors.base import Compressor
+from .compressors.bucket import BucketContext, BucketLayout
+
+__all__ = ["BucketRoute", "takes_bucket_route", "DeferredFlag"]
+
+
+def takes_bucket_route(compressor: Compressor, grads: Sequence[torch.Tensor], world_size: int) -> bool:
+    """Whether a method and these gradients can take the bucket route: a method that implements it, a
+    feedback scheme it supports, one floating dtype and one device for every gradient."""
+    if not compressor.bucketed or not _feedback.takes_bucket(compressor) or not grads:
+        return False
+    first = grads[0]
+    return first.dtype.is_floating_point and all(g.dtype == first.dtype and g.device == first.device for g in grads)
+
+
+class DeferredFlag:
+    """A device bool that the host reads later without waiting then: on CUDA it is copied into pinned
+    memory behind an event, and read at the bucket's next exchange, by which time the copy is long done
+    (the event is waited for only if it is not)."""
+
+    def __init__(self):
+        self._host: Optional[torch.Tensor] = None
+        self._event = None
+        self.pending = False
+
+    def set(self, flag: torch.Tensor) -> None:
+        if flag.is_cuda:
+            if self._host is None:
+                self._host = torch.empty((), dtype=torch.bool, pin_memory=True)
+                self._event = torch.cuda.Event()
+            self._host.copy_(flag, non_blocking=True)
+            self._event.record()
+        else:
+            self._host = flag
+        self.pending = True
+
+    def take(self) -> bool:
+        """The flag's value (False when none is pending); it is then no longer pending."""
+        if not self.pending:
+            return False
+        self.pending = False
+        if self._event is not None:
+            self._event.synchronize()
+        # Read from host memory directly: on a CPU the flag is already there, on CUDA in pinned memory.
+        return bool(ctypes.c_bool.from_address(self._host.data_ptr()).value)
+
+
+#: The state the bucket route keeps per bucket: residual feedback's.
+_STATE_NAMES = ("residual",)
+
+
+class _Bucket:
+    """What the route keeps for one bucket: its layout, where its input lies, its flat state."""
+
+    def __init__(self, layout: BucketLayout):
+        self.layout = layout
+        self.flat: dict[str, torch.Tensor] = {}  # committed state, one flat tensor per name
+        self.views: dict[str, list] = {}  # each key's view of it, as handed to GradzipState.tensors
+        self.skipped = DeferredFlag()
+        self.input_at: Optional[tuple] = None  # (first data_ptr, last data_ptr) where the input is one run
+
+    def flat_input(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The gradients as one flat tensor: a view where they lie end to end in one buffer (DDP's
+        bucket views), else a copy."""
+        at = (grads[0].data_ptr(), grads[-1].data_ptr())
+        if at != self.input_at:
+            self.input_at = at if _one_run(grads, self.layout) else None
+        if self.input_at is not None:
+            return torch.as_strided(grads[0], (self.layout.numel,), (1,))
+        return torch.cat([g.reshape(-1) for g in grads])
+
+    def load(self, tensors: dict) -> dict:
+        """The committed flat state, rebuilt from the per-key entries where something replaced them
+        (``load_state_dict``, DDP regrouping its buckets, a test setting a residual)."""
+        layout = self.layout
+        names = {n for key in layout.keys for n in tensors.get(key, {}) if n in _STATE_NAMES}
+        for name in names | set(self.flat):
+            views = self.views.get(name)
+            current = [tensors.get(key, {}).get(name) for key in layout.keys]
+            if views is not None and all(c is v for c, v in zip(current, views)):
+                continue
+            if all(c is None for c in current):
+                self.flat.pop(name, None)
+                self.views.pop(name, None)
+                continue
+            parts = [torch.zeros(n, dtype=torch.float32, device=layout.device) if c is None else c.reshape(-1).float()
+                     for c, n in zip(current, layout.numels)]
+            self._keep(name, torch.cat(parts), tensors)
+        return dict(self.flat)
+
+    def _keep(self, name: str, flat: torch.Tensor, tensors: dict) -> None:
+        self.flat[name] = flat
+        views = self.views[name] = self.layout.pieces(flat)
+        for key, view in zip(self.layout.keys, views):
+            tensors.setdefault(key, {})[name] = view
+
+    def commit(self, updates: dict, bad: torch.Tensor, tensors: dict) -> None:
+        """Make the staged flat state committed where ``bad`` (a device bool) is False; keep the old
+        one (none: zeros, which error feedback reads as nothing owed) where it is True."""
+        for name, new in updates.items():
+            old = self.flat.get(name)
+            if old is None:
+                self._keep(name, new.masked_fill_(bad, 0.0), tensors)
+            else:
+                torch.where(bad, old, new, out=old)
+
+
+def _one_run(grads: Sequence[torch.Tensor], layout: BucketLayout) -> bool:
+    base, size = grads[0].data_ptr(), grads[0].element_size()
+    return all(g.is_contiguous() and g.data_ptr() == base + offset * size for g, offset in zip(grads, layout.offsets))
+
+
+class BucketRoute:
+    """The bucket route of one :class:`GradzipState` (see the module's docstring)."""
+
+    def __init__(self):
+        self.buckets: dict[tuple, _Bucket] = {}
+
+    def bucket(self, keys: tuple, grads: Sequence[torch.Tensor]) -> _Bucket:
+        entry = self.buckets.get(keys)
+        if entry is None or entry.layout.dtype != grads[0].dtype or entry.layout.device != grads[0].device:
+            layout = BucketLayout(keys, [g.shape for g in grads], grads[0].dtype, grads[0].device)
+            entry = self.buckets[keys] = _Bucket(layout)
+            # A key belongs to one bucket: DDP regroups its buckets after the first step.
+            for other in [k for k in self.buckets if k != keys and set(k) & set(keys)]:
+                del self.buckets[other]
+        return entry
+
+    def resolve(self, steps: dict, totals: dict, entry: Optional[_Bucket] = None) -> None:
+        """Learn whether the last exchange of ``entry`` (of every bucket, by default) was skipped, and
+        if so take back its step counters."""
+        for bucket in [entry] if entry is not None else list(self.buckets.values()):
+            if bucket.skipped.take():
+                totals["nonfinite_exchanges"] += 1
+                for key in bucket.layout.keys:
+                    steps[key] = steps.get(key, 1) - 1
+
+    def exchange(self, state, named_grads, out):
+        """Run one bucket's exchange for ``state`` (a :class:`GradzipState`); returns the aggregates,
+        written into ``out`` when given."""
+        keys = tuple(key for key, _ in named_grads)
+        grads = [g.detach() for _, g in named_grads]
+        entry = self.bucket(keys, grads)
+        self.resolve(state.steps, state.totals, entry)
+        layout, compressor = entry.layout, state.compressor
+        compressor.observe_step(keys, time.perf_counter())
+        flat_g = entry.flat_input(grads)
+        b = BucketContext(layout, step=state.steps.get(keys[0], 0), rank=state.rank, world_size=state.world_size,
+                          seed=state.seed, state=entry.load(state.tensors))
+        local = torch.zeros((), dtype=torch.bool, device=layout.device)
+        if not compressor.carries_nonfinite and layout.numel:
+            local = ~torch.isfinite(torch.linalg.vector_norm(flat_g, float("inf")))
+        (result,), report = run_lockstep([_feedback.bucket_exchange(compressor, flat_g, b)], state.transport, local)
+        aggregate = result.aggregate
+        checked = result.bound if result.bound is not None else aggregate
+        bad = report.nonfinite
+        if checked.numel():
+            bad = bad | ~torch.isfinite(torch.linalg.vector_norm(checked, float("inf")))
+        poison = torch.where(bad, float("nan"), 1.0)  # x * 1 == x for every x, NaN too
+        in_place = out is not None and entry.input_at is not None and all(o is g for o, (_, g) in zip(out, named_grads))
+        outputs = _write(aggregate, poison, out, flat_g if in_place else None, layout)
+        entry.commit(b.updates, bad, state.tensors)
+        entry.skipped.set(bad)
+        for key in keys:
+            state.steps[key] = b.step + 1
+        _count(state.totals, report, layout, result, compressor)
+        state.last_report = report
+        return outputs
+
+
+def _write(aggregate, poison, out, flat_out, layout):
+    """aggregate * poison into ``out``: in one pass into ``flat_out`` where given (``out`` is the input's
+    own flat run, DDP's bucket), else piece by piece; or into fresh tensors shaped like the inputs."""
+    if flat_out is not None:
+        torch.mul(aggregate, poison, out=flat_out)
+        return list(out)
+    result = torch.mul(aggregate, poison).to(layout.dtype)
+    pieces = layout.pieces(result)
+    if out is None:
+        return pieces
+    torch._foreach_copy_(list(out), pieces)
+    return list(out)
+
+
+def _count(totals: dict, report, layout: BucketLayout, result, compressor) -> None:
+    totals["exchanges"] += 1
+    totals["elements"] += layout.numel
+    totals["elements_sent"] += layout.numel if result.sparse is None else result.sparse[0].numel()
+    totals["payload_bytes"] += report.payload_bytes
+    totals["wire_bytes"] += report.wire_bytes
+    totals["dense_bytes"] += layout.numel * layout.dtype.itemsize
+    totals["collectives"] += report.collectives
+    totals["compress_s"] += report.compress_s
+    totals["communicate_s"] += report.communicate_s
+    totals["decompress_s"] += report.decompress_s
