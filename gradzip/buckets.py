@@ -73,6 +73,8 @@ class DeferredFlag:
         return bool(ctypes.c_bool.from_address(self._host.data_ptr()).value)
 
 
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
 #: The state the bucket route keeps per bucket: residual feedback's.
 _STATE_NAMES = ("residual",)
 
@@ -180,10 +182,11 @@ class BucketRoute:
             local = ~torch.isfinite(torch.linalg.vector_norm(flat_g, float("inf")))
         (result,), report = run_lockstep([_feedback.bucket_exchange(compressor, flat_g, b)], state.transport, local)
         aggregate = result.aggregate
-        checked = result.bound if result.bound is not None else aggregate
         bad = report.nonfinite
-        if checked.numel():
-            bad = bad | ~torch.isfinite(torch.linalg.vector_norm(checked, float("inf")))
+        if result.bound is not None:  # below half fp32's largest value, r rounded products stay finite
+            bad = bad | ~(result.bound < _FLOAT32_MAX / 2)  # NaN compares False: bad
+        elif aggregate.numel():
+            bad = bad | ~torch.isfinite(torch.linalg.vector_norm(aggregate, float("inf")))
         poison = torch.where(bad, float("nan"), 1.0)  # x * 1 == x for every x, NaN too
         in_place = out is not None and entry.input_at is not None and all(o is g for o, (_, g) in zip(out, named_grads))
         outputs = _write(aggregate, poison, out, flat_g if in_place else None, layout)

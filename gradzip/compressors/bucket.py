@@ -21,7 +21,7 @@ import torch
 
 from .. import kernels
 
-__all__ = ["BucketLayout", "BucketContext", "SizeClass"]
+__all__ = ["BucketLayout", "BucketContext", "SizeClass", "pack_signs", "unpack_signs"]
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,11 @@ class BucketLayout:
         return [piece.view(shape) for piece, shape in zip(torch.split(flat, self.numels), self.shapes)]
 
     def rows(self, flat: torch.Tensor, size: SizeClass) -> torch.Tensor:
-        """The tensors of one size class stacked as the rows of a new (members, numel) tensor."""
+        """The tensors of one size class as the rows of a (members, numel) tensor: stacked into a new
+        one, or, for a class of one tensor, a view of ``flat``."""
+        if len(size.members) == 1:
+            start = self.offsets[size.members[0]]
+            return flat[start:start + size.numel].view(1, size.numel)
         parts = torch.split(flat, self.numels)
         return torch.stack([parts[i] for i in size.members])
 
@@ -128,3 +132,23 @@ class BucketContext:
     def uniforms(self, n: int, *, shared: bool = True, salt: str = "") -> torch.Tensor:
         """n float32 draws in [0, 1) on the bucket's device (see :meth:`draw_seed`)."""
         return kernels.counter_uniforms(torch.empty(n, device=self.layout.device), self.draw_seed(shared=shared, salt=salt))
+
+
+def pack_signs(x: torch.Tensor) -> torch.Tensor:
+    """Sign bits of the flat ``x`` (bit 1 for x >= 0, little-endian within each byte), ceil(n / 8)
+    bytes, by tensor operations alone (the same bits as :func:`gradzip.bits.pack_bits`)."""
+    n = x.numel()
+    bits = torch.zeros(-(-n // 8) * 8, dtype=torch.uint8, device=x.device)
+    torch.ge(x, 0, out=bits[:n].view(torch.bool))
+    return (bits.view(-1, 8) << _shifts(x.device)).sum(dim=1, dtype=torch.uint8)
+
+
+def unpack_signs(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_signs`: n float32 values +1.0 (bit 1) or -1.0 (bit 0)."""
+    bits = ((packed.unsqueeze(1) >> _shifts(packed.device)) & 1).view(-1)[:n]
+    return bits.to(torch.float32).mul_(2).sub_(1)  # exact: 2b - 1
+
+
+@functools.lru_cache(maxsize=8)
+def _shifts(device: torch.device) -> torch.Tensor:
+    return torch.arange(8, dtype=torch.uint8, device=device)

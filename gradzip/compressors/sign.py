@@ -25,6 +25,7 @@ import torch
 
 from .. import kernels
 from ..bits import pack_bits, packed_nbytes, select, unpack_bits
+from .bucket import pack_signs, unpack_signs
 from .base import (AllGather, Exchanged, GatheredCompressor, TensorContext, chunked_sum, column_counts, compare,
                    packed_codes, workspace)
 from .registry import register
@@ -577,6 +578,26 @@ class EFSignSGD(GatheredCompressor):
     def aggregate_bound(self, gathered, ctx):
         # Every rank sends +-scale_r: the sum, and so the mean, is at most sum_r |scale_r|
         return torch.stack([fields[0].reshape(()).abs() for fields in gathered]).sum()
+
+    bucketed = True
+
+    def bucket_exchange(self, p, b):
+        """Per tensor i of the bucket, scale_i = ||p_i||_1 / n_i by one segmented sum; the signs of the
+        whole bucket packed together.  Wire: 4 bytes per tensor + ceil(n / 8) for the bucket's n."""
+        layout = b.layout
+        scales = layout.segment_sum(p.abs()).div_(layout.lengths.clamp(min=1))
+        gathered = yield AllGather((scales, pack_signs(p)))
+        total = None
+        for scale, packed in gathered:  # rank order, as exchange() sums the ranks' deltas
+            delta = unpack_signs(packed, layout.numel).mul_(layout.per_element(scale))
+            total = delta if total is None else total.add_(delta)
+        own = gathered[b.rank]
+        bound = torch.stack([scale.abs().amax() if scale.numel() else scale.new_zeros(()) for scale, _ in gathered]).sum()
+        return Exchanged(total.div_(b.world_size), lambda: unpack_signs(own[1], layout.numel).mul_(layout.per_element(own[0])),
+                         bound=bound)
+
+    def bucket_payload_bytes(self, layout):
+        return 4 * len(layout) + packed_nbytes(layout.numel, 1)
 
     def decoded_mean(self, gathered, ctx):
         n, world = ctx.shape.numel(), len(gathered)

@@ -188,6 +188,49 @@ class TopK(Sparsifier):
     def select(self, flat, ctx):
         return top_k_abs(flat, self.kept(ctx))
 
+    bucketed = True
+
+    def bucket_exchange(self, p, b):
+        """The same k per tensor, found size class by size class: one ``torch.topk`` of |rows| over the
+        stacked tensors of each size.  Wire: the bucket's K selected values and their positions in
+        the bucket, or, where those would take more bytes, its n values, zero where not selected."""
+        layout, vdtype = b.layout, self._vdtype or b.layout.dtype
+        positions, values = [], []
+        for size in layout.classes:
+            k = math.ceil(self.ratio * size.numel)
+            if k:
+                rows = layout.rows(p, size)
+                idx = rows.abs().topk(k, dim=1, sorted=False).indices
+                values.append(rows.gather(1, idx).view(-1))
+                positions.append(idx.add_(size.starts.view(-1, 1)).view(-1))
+        position = torch.cat(positions) if positions else torch.empty(0, dtype=torch.int64, device=p.device)
+        value = torch.cat(values).to(vdtype) if values else torch.empty(0, dtype=vdtype, device=p.device)
+        dense = self._bucket_dense(layout, position.numel())
+        if dense:
+            fields = (torch.zeros(layout.numel, dtype=vdtype, device=p.device).index_put_((position,), value),)
+        else:
+            fields = (value, position.to(index_dtype(layout.numel)))
+        gathered = yield AllGather(fields)
+        total = torch.zeros(layout.numel, dtype=torch.float32, device=p.device)
+        for got in gathered:  # rank order: identical sums on every rank; rank 0's is 0 + v, as in exchange()
+            if dense:
+                total += got[0]
+            else:
+                total.index_add_(0, got[1].long(), got[0].float())
+        exactly = p.dtype == vdtype == torch.float32
+        return Exchanged(total.div_(b.world_size), sparse=(position, value.float()), sent_exactly=exactly)
+
+    def _bucket_dense(self, layout, kept: int) -> bool:
+        vbytes = (self._vdtype or layout.dtype).itemsize
+        return kept * (vbytes + index_dtype(layout.numel).itemsize) > layout.numel * vbytes
+
+    def bucket_payload_bytes(self, layout):
+        kept = sum(math.ceil(self.ratio * n) for n in layout.numels)
+        vbytes = (self._vdtype or layout.dtype).itemsize
+        if self._bucket_dense(layout, kept):
+            return layout.numel * vbytes
+        return kept * (vbytes + index_dtype(layout.numel).itemsize)
+
 
 # -- parameter checks and selection helpers ---------------------------------------------------------------
 

@@ -1,0 +1,239 @@
+"""The bucket route (gradzip/buckets.py): every method that implements ``bucket_exchange`` against its own
+per-tensor route, across ranks, with non-finite inputs, through a checkpoint, and its exact wire bytes."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gradzip
+from gradzip.compressors import compressors, make
+from gradzip.compressors.bucket import BucketLayout
+from gradzip.state import GradzipState
+
+from .workers import run_threads
+
+BUCKETED = sorted(name for name in compressors() if make(name).bucketed)
+#: (method, parameters): each bucketed method with its default feedback, and the variants that change
+#: what it sends.
+CASES = [(name, {}) for name in BUCKETED] + [
+    ("fp16", {"feedback": "residual"}), ("bf16", {"feedback": "residual"}), ("topk", {"ratio": 0.3}),
+    ("topk", {"ratio": 0.9}), ("topk", {"value_dtype": "float16"}), ("topk", {"feedback": "none"}),
+    ("efsignsgd", {"feedback": "none"})]
+IDS = [f"{name}-{'-'.join(f'{k}={v}' for k, v in params.items()) or 'default'}" for name, params in CASES]
+#: Odd shapes in one bucket: matrices of one size (one size class), vectors, 0-d, empty, one element.
+SHAPES = [(8, 40), (40,), (8, 40), (3, 3, 2), (), (0,), (1,), (40,), (5, 8)]
+
+
+def test_the_methods_with_a_bucket_route():
+    assert {"none", "fp16", "bf16", "topk", "efsignsgd"} <= set(BUCKETED)
+
+
+def _bucket(dtype=torch.float32, seed=0, scale=1.0):
+    """A flat buffer and its tensors' views, as DDP hands them over."""
+    gen = torch.Generator().manual_seed(seed)
+    numels = [torch.Size(s).numel() for s in SHAPES]
+    flat = (torch.randn(sum(numels), generator=gen) * scale).to(dtype)
+    views = [v.view(s) for v, s in zip(torch.split(flat, numels), SHAPES)]
+    return flat, [(f"layer{i}", v) for i, v in enumerate(views)]
+
+
+def _pair(name, params, **kw):
+    return GradzipState(name, bucketed=True, **params, **kw), GradzipState(name, bucketed=False, **params, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name, params", CASES, ids=IDS)
+def test_bucket_route_equals_the_per_tensor_route(name, params, dtype):
+    """Aggregates and residuals over several steps, into DDP's views and into fresh tensors: equal to
+    each tensor's own exchange up to the order of float sums (a per-tensor scale's sum)."""
+    bucketed, reference = _pair(name, params)
+    fresh = GradzipState(name, bucketed=True, **params)
+    exact = name != "efsignsgd"  # its per-tensor scale is a sum in another order
+    for step in range(4):
+        _, named = _bucket(dtype, seed=step)
+        expected = reference.exchange([(k, g.clone()) for k, g in named])
+        given = [(k, g.clone()) for k, g in named]
+        unlent = fresh.exchange(given)
+        got = bucketed.exchange(named, out=[g for _, g in named])
+        assert bucketed.last_report is not None and len(bucketed._route.buckets) == 1  # the bucket route ran
+        for (key, g), want, other in zip(named, expected, unlent):
+            assert g.dtype == dtype and other.shape == want.shape
+            if exact:
+                assert torch.equal(g, want) and torch.equal(other, want), (key, step)
+            else:
+                torch.testing.assert_close(g.float(), want.float(), rtol=1e-5, atol=1e-6)
+                assert torch.equal(other, g), key  # the same route, into other memory: the same bits
+    for key in reference.tensors:
+        mine, theirs = bucketed.tensors.get(key, {}).get("residual"), reference.tensors[key].get("residual")
+        if theirs is None or not theirs.numel():
+            continue
+        assert mine.shape == theirs.shape and mine.dtype == theirs.dtype
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=0 if exact else 1e-5)
+    assert bucketed.steps == reference.steps
+
+
+@pytest.mark.parametrize("name, params", CASES, ids=IDS)
+def test_payload_bytes_are_the_bucket_formula(name, params):
+    state = GradzipState(name, bucketed=True, **params)
+    _, named = _bucket()
+    state.exchange(named)
+    layout = BucketLayout([k for k, _ in named], [g.shape for _, g in named], torch.float32, torch.device("cpu"))
+    assert state.last_report.payload_bytes == state.compressor.bucket_payload_bytes(layout)
+    assert state.stats()["payload_bytes"] == state.compressor.bucket_payload_bytes(layout)
+
+
+@pytest.mark.parametrize("name, params", [c for c in CASES if make(c[0], **c[1]).feedback == "residual"],
+                         ids=[i for c, i in zip(CASES, IDS) if make(c[0], **c[1]).feedback == "residual"])
+def test_residual_conserves_what_was_not_sent(name, params):
+    """At world size 1 the aggregate is what was sent: sent + new residual == g + old residual."""
+    state = GradzipState(name, bucketed=True, **params)
+    owed = None
+    for step in range(3):
+        flat, named = _bucket(seed=step)
+        g = flat.clone()
+        state.exchange(named, out=[v for _, v in named])
+        residual = torch.cat([state.tensors[k]["residual"].reshape(-1) for k, _ in named])
+        p = g if owed is None else g + owed
+        torch.testing.assert_close(flat + residual, p, rtol=0, atol=2e-6)
+        owed = residual.clone()
+
+
+@pytest.mark.parametrize("name, params", CASES, ids=IDS)
+def test_ranks_agree_bit_for_bit_and_average(name, params):
+    world = 3
+
+    def rank_run(rank, transport):
+        state = GradzipState(name, bucketed=True, transport=transport, **params)
+        outs = []
+        for step in range(3):
+            _, named = _bucket(seed=10 * step + rank)
+            state.exchange(named, out=[g for _, g in named])
+            outs.append(torch.cat([g.reshape(-1) for _, g in named]))
+        return outs
+
+    results = run_threads(world, rank_run)
+    for step in range(3):
+        for other in results[1:]:
+            assert torch.equal(results[0][step], other[step])
+    if name in ("none", "fp16", "bf16") and params.get("feedback", "none") == "none":  # the mean itself
+        inputs = torch.stack([_bucket(seed=20 + r)[0] for r in range(world)])
+        # each rank's x / N rounded once, and the half sum rounded at each addition
+        tol = {"none": 1e-6, "fp16": 2e-3, "bf16": 2e-2}[name]
+        torch.testing.assert_close(results[0][2], inputs.mean(0), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("name, params", CASES, ids=IDS)
+def test_a_nonfinite_rank_poisons_every_rank_and_commits_nothing(name, params):
+    def rank_run(rank, transport):
+        state = GradzipState(name, bucketed=True, transport=transport, **params)
+        _, named = _bucket(seed=rank)
+        state.exchange(named, out=[g for _, g in named])
+        before = {k: {n: v.clone() for n, v in slot.items()} for k, slot in state.tensors.items()}
+        _, named = _bucket(seed=5 + rank)
+        if rank == 1:
+            named[2][1][3, 7] = float("nan")
+        state.exchange(named, out=[g for _, g in named])
+        poisoned = all(bool(torch.isnan(g).all()) for _, g in named if g.numel())
+        kept = all(torch.equal(before[k][n], v) for k, slot in state.tensors.items() for n, v in slot.items())
+        saved = state.state_dict()
+        return poisoned, kept, saved["steps"], state.stats()["nonfinite_exchanges"]
+
+    for poisoned, kept, steps, skipped in run_threads(2, rank_run):
+        assert poisoned and kept and skipped == 1
+        assert set(steps.values()) == {1}  # the skipped step was taken back
+
+
+def test_an_overflowing_fp16_payload_poisons_the_step():
+    """A finite input whose fp16 payload overflows: the aggregate is not finite, so the step is skipped."""
+    state = GradzipState("fp16", bucketed=True, feedback="residual")
+    _, named = _bucket()
+    state.exchange(named)
+    before = state.tensors["layer0"]["residual"].clone()
+    _, named = _bucket(seed=1)
+    named[0][1][0, 0] = 1e6
+    out = state.exchange(named)
+    assert all(bool(torch.isnan(o).all()) for o in out if o.numel())
+    assert torch.equal(state.tensors["layer0"]["residual"], before)
+    assert state.stats()["nonfinite_exchanges"] == 1 and state.steps["layer0"] == 1
+
+
+@pytest.mark.parametrize("name, params", CASES, ids=IDS)
+def test_resumed_state_continues_bit_for_bit(name, params):
+    whole = GradzipState(name, bucketed=True, **params)
+    first = GradzipState(name, bucketed=True, **params)
+    for step in range(2):
+        for state in (whole, first):
+            _, named = _bucket(seed=step)
+            state.exchange(named, out=[g for _, g in named])
+    saved = first.state_dict()
+    resumed = GradzipState(name, bucketed=True, **params)
+    resumed.load_state_dict(saved)
+    for step in range(2, 4):
+        _, a = _bucket(seed=step)
+        _, b = _bucket(seed=step)
+        whole.exchange(a, out=[g for _, g in a])
+        resumed.exchange(b, out=[g for _, g in b])
+        assert all(torch.equal(x, y) for (_, x), (_, y) in zip(a, b))
+    assert whole.state_dict()["steps"] == resumed.state_dict()["steps"]
+
+
+def test_a_regrouped_bucket_keeps_each_tensors_residual():
+    """DDP regroups its buckets after the first step: the residuals follow their keys."""
+    state = GradzipState("topk", bucketed=True, ratio=0.1)
+    _, named = _bucket()
+    state.exchange(named)
+    owed = {k: v["residual"].clone() for k, v in state.tensors.items()}
+    _, again = _bucket(seed=1)
+    halves = [again[:4], again[4:]]
+    reference = GradzipState("topk", bucketed=False, ratio=0.1)
+    reference.exchange([(k, g.clone()) for k, g in named])
+    for half in halves:
+        for key, _ in half:
+            torch.testing.assert_close(state.tensors[key]["residual"], owed[key], rtol=0, atol=0)
+        got = state.exchange(half)
+        want = reference.exchange([(k, g.clone()) for k, g in half])
+        assert all(torch.equal(x, y) for x, y in zip(got, want))
+    assert len(state._route.buckets) == 2
+
+
+def test_cpu_gradients_keep_the_per_tensor_route_by_default():
+    state = GradzipState("topk")
+    _, named = _bucket()
+    state.exchange(named)
+    assert not state._route.buckets
+    with pytest.raises(ValueError, match="bucketed must be"):
+        GradzipState("topk", bucketed="yes")
+
+
+def test_methods_without_a_bucket_route_keep_the_per_tensor_route():
+    state = GradzipState("qsgd", bucketed=True)
+    _, named = _bucket()
+    state.exchange(named)
+    assert not state._route.buckets and state.steps["layer0"] == 1
+    grouped = GradzipState("topk", bucketed=True, group_vectors_below=64)
+    grouped.exchange(_bucket()[1])
+    assert not grouped._route.buckets
+
+
+def test_register_takes_bucketed(tmp_path):
+    """A real DDP hook (one-process gloo group) on the bucket route: the step's gradients are the
+    per-tensor route's."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        grads = {}
+        for bucketed in (True, False):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+            ddp = torch.nn.parallel.DistributedDataParallel(model)
+            state = gradzip.register(ddp, "topk", ratio=0.1, bucketed=bucketed)
+            for step in range(3):
+                ddp.zero_grad()
+                ddp(torch.randn(8, 16, generator=torch.Generator().manual_seed(step))).square().sum().backward()
+            grads[bucketed] = [p.grad.clone() for p in model.parameters()]
+            assert bool(state._route.buckets) == bucketed
+            state.close()
+        assert all(torch.equal(a, b) for a, b in zip(grads[True], grads[False]))
+    finally:
+        dist.destroy_process_group()
