@@ -75,15 +75,12 @@ class DeferredFlag:
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 
-#: The state the bucket route keeps per bucket: residual feedback's.
-_STATE_NAMES = ("residual",)
-
-
 class _Bucket:
     """What the route keeps for one bucket: its layout, where its input lies, its flat state."""
 
-    def __init__(self, layout: BucketLayout):
+    def __init__(self, layout: BucketLayout, names: tuple):
         self.layout = layout
+        self.names = names  # the per-element state it keeps (residual feedback's, the method's own)
         self.flat: dict[str, torch.Tensor] = {}  # committed state, one flat tensor per name
         self.views: dict[str, list] = {}  # each key's view of it, as handed to GradzipState.tensors
         self.skipped = DeferredFlag()
@@ -103,7 +100,7 @@ class _Bucket:
         """The committed flat state, rebuilt from the per-key entries where something replaced them
         (``load_state_dict``, DDP regrouping its buckets, a test setting a residual)."""
         layout = self.layout
-        names = {n for key in layout.keys for n in tensors.get(key, {}) if n in _STATE_NAMES}
+        names = {n for key in layout.keys for n in tensors.get(key, {}) if n in self.names}
         for name in names | set(self.flat):
             views = self.views.get(name)
             current = [tensors.get(key, {}).get(name) for key in layout.keys]
@@ -146,11 +143,12 @@ class BucketRoute:
     def __init__(self):
         self.buckets: dict[tuple, _Bucket] = {}
 
-    def bucket(self, keys: tuple, grads: Sequence[torch.Tensor]) -> _Bucket:
+    def bucket(self, keys: tuple, grads: Sequence[torch.Tensor], compressor: Compressor) -> _Bucket:
         entry = self.buckets.get(keys)
         if entry is None or entry.layout.dtype != grads[0].dtype or entry.layout.device != grads[0].device:
             layout = BucketLayout(keys, [g.shape for g in grads], grads[0].dtype, grads[0].device)
-            entry = self.buckets[keys] = _Bucket(layout)
+            names = _feedback.scheme_of(compressor).state_keys + tuple(compressor.bucket_state)
+            entry = self.buckets[keys] = _Bucket(layout, names)
             # A key belongs to one bucket: DDP regroups its buckets after the first step.
             for other in [k for k in self.buckets if k != keys and set(k) & set(keys)]:
                 del self.buckets[other]
@@ -170,7 +168,7 @@ class BucketRoute:
         written into ``out`` when given."""
         keys = tuple(key for key, _ in named_grads)
         grads = [g.detach() for _, g in named_grads]
-        entry = self.bucket(keys, grads)
+        entry = self.bucket(keys, grads, state.compressor)
         self.resolve(state.steps, state.totals, entry)
         layout, compressor = entry.layout, state.compressor
         compressor.observe_step(keys, time.perf_counter())

@@ -338,6 +338,10 @@ class Compressor:
 
     #: True when the method implements :meth:`bucket_exchange`.
     bucketed: ClassVar[bool] = False
+    #: The method's own state on the bucket route: names of float32 values with one element per
+    #: gradient element (Signum's momentum), read with ``b.get(name)`` as one flat tensor (None before
+    #: the first commit) and staged with ``b.set(name, flat)``; saved per tensor like any state.
+    bucket_state: ClassVar[tuple] = ()
 
     def takes_bucket(self, world_size: int) -> bool:
         """Whether :meth:`bucket_exchange` serves buckets exchanged among ``world_size`` ranks."""
