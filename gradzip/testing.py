@@ -29,9 +29,20 @@ calls the functions below one by one):
 
 A failed check raises AssertionError whose message names the compressor, the check and what broke.
 This module imports only gradzip's core and launcher; the core does not import it.
+
+Counting what an exchange costs (tests/test_budgets.py checks the budgets with it; benchmarks may too):
+
+    with count_exchanges(state) as counts:   # every state.exchange call runs inside an OpCounter
+        train_one_step()
+    counts.ops, counts.host_reads, counts.exchanges, counts.plain
+
+:class:`OpCounter` counts every aten operation dispatched on the thread that entered it, and the
+"host reads": operations that wait for the device on CUDA (``.item()``, ``nonzero``, ``tolist()``, ...).
 """
 from __future__ import annotations
 
+import collections
+import contextlib
 import copy
 import functools
 import pickle
@@ -40,6 +51,7 @@ import warnings
 from typing import Callable, Union
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import feedback
 from .collectives import LocalTransport, ThreadGroup, run_lockstep, simulate
@@ -51,7 +63,8 @@ from .state import GradzipState
 
 __all__ = ["check_compressor", "CHECKS", "DTYPES", "SHAPES", "WIRE_SHAPES", "odd_inputs", "grads", "factory_of",
            "check_round_trip", "check_wire_bytes", "check_error_feedback", "check_ranks_agree", "check_odd_inputs",
-           "check_nonfinite", "check_state_dict", "check_reuse", "check_distributed"]
+           "check_nonfinite", "check_state_dict", "check_reuse", "check_distributed",
+           "OpCounter", "ExchangeCount", "ExchangeCounts", "count_exchanges", "HOST_READ_OPS"]
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 SHAPES = ((64, 40), (1000,), (6, 5, 3, 3))
@@ -483,3 +496,284 @@ def check_compressor(compressor: Union[Compressor, str, Factory], *, distributed
     if distributed and check_distributed(factory):
         ran.append("distributed")
     return ran
+
+
+# -- counting an exchange's operations and host reads ----------------------------------------------------------
+
+#: aten operations (overload packets) that wait for the device on CUDA: they hand the host a value, or an
+#: output whose size depends on the data.  ``nonzero_static`` does not (its size is given).
+HOST_READ_OPS = frozenset({"_local_scalar_dense", "nonzero", "masked_select", "equal", "bincount"})
+
+#: Tensor methods that read a tensor's values into Python without dispatching an aten operation on CPU
+#: (a CUDA tensor would first be copied to the host): counted as host reads while an OpCounter counts.
+HOST_READ_METHODS = ("tolist", "numpy", "__array__")
+
+_MISSING = object()
+_local = threading.local()  # this thread's active counters, and whether a counted Tensor method is running
+_patch_lock = threading.Lock()
+_patch_users = 0
+_patch_saved: dict = {}
+
+
+def _counters_here() -> list:
+    counters = getattr(_local, "counters", None)
+    if counters is None:
+        counters = _local.counters = []
+        _local.reading = 0
+    return counters
+
+
+def _off_cpu(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.device.type not in ("cpu", "meta")
+
+
+def _is_mask(index) -> bool:
+    return isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8)
+
+
+def _host_read(func, args, kwargs) -> bool:
+    """Whether this aten call waits for the device on CUDA (see :class:`OpCounter`)."""
+    name = func.overloadpacket.__name__
+    if name in HOST_READ_OPS or name.startswith(("unique", "_unique")):
+        return True
+    if name == "repeat_interleave":  # with a tensor of repeats the output size must be read, unless given
+        repeats = args[1] if func._overloadname == "self_Tensor" and len(args) > 1 else args[0] if args else None
+        return isinstance(repeats, torch.Tensor) and kwargs.get("output_size") is None
+    if name == "index":  # x[mask]: a boolean index is turned into positions (nonzero) inside the kernel
+        return any(_is_mask(i) for i in (args[1] if len(args) > 1 else kwargs.get("indices", ())) or ())
+    if name in ("index_put", "index_put_", "_index_put_impl", "_index_put_impl_"):
+        # x[mask] = v: only a one-element value goes to masked_fill without reading the mask
+        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+        value = args[2] if len(args) > 2 else kwargs.get("values")
+        return any(_is_mask(i) for i in indices or ()) and not (isinstance(value, torch.Tensor) and value.numel() == 1)
+    # Blocking copies from a device to the host (a non-blocking one, into pinned memory behind an event,
+    # waits for nothing then: a read of it later is the caller's to order)
+    if name == "_to_copy":
+        device = kwargs.get("device")
+        return (_off_cpu(args[0]) and device is not None and torch.device(device).type == "cpu"
+                and not kwargs.get("non_blocking", False))
+    if name == "copy_":
+        non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+        return (len(args) > 1 and _off_cpu(args[1]) and isinstance(args[0], torch.Tensor)
+                and args[0].device.type == "cpu" and not non_blocking)
+    if name in ("_copy_from", "_copy_from_and_resize"):
+        non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+        return (len(args) > 1 and _off_cpu(args[0]) and isinstance(args[1], torch.Tensor)
+                and args[1].device.type == "cpu" and not non_blocking)
+    return False
+
+
+def _counting_method(name: str, original):
+    @functools.wraps(original)
+    def method(self, *args, **kwargs):
+        counters = _counters_here()
+        if not counters or _local.reading:
+            return original(self, *args, **kwargs)
+        for counter in counters:
+            counter.host_reads[f"Tensor.{name}"] += 1
+        _local.reading += 1  # __array__ calls numpy(): one read, and the aten calls inside it are not reads
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _local.reading -= 1
+    method._gradzip_counting = True
+    return method
+
+
+def _patch_methods() -> None:
+    global _patch_users
+    with _patch_lock:
+        if _patch_users == 0:
+            for name in HOST_READ_METHODS:
+                _patch_saved[name] = torch.Tensor.__dict__.get(name, _MISSING)
+                setattr(torch.Tensor, name, _counting_method(name, getattr(torch.Tensor, name)))
+        _patch_users += 1
+
+
+def _unpatch_methods() -> None:
+    global _patch_users
+    with _patch_lock:
+        _patch_users -= 1
+        if _patch_users == 0:
+            for name in HOST_READ_METHODS:
+                saved = _patch_saved.pop(name)
+                if saved is _MISSING:
+                    delattr(torch.Tensor, name)
+                else:
+                    setattr(torch.Tensor, name, saved)
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts every aten operation dispatched on the thread that enters it, by overload packet
+    (``"aten.add_"``), and the host reads among them: the operations that wait for the device on CUDA.
+
+    Host reads (``host_reads``, by name): ``_local_scalar_dense`` (``.item()``, ``bool(t)``, ``float(t)``),
+    ``nonzero`` (not ``nonzero_static``), ``masked_select``, every ``unique*``/``_unique*``, ``equal``,
+    ``bincount``, ``repeat_interleave`` with a tensor of repeats and no ``output_size``, indexing with a
+    boolean mask (``x[mask]``; ``x[mask] = v`` unless ``v`` has one element: that is a masked_fill),
+    blocking copies from a device to the CPU (not ``non_blocking`` ones into pinned memory), and the
+    Tensor methods ``tolist``, ``numpy`` and ``__array__`` (``np.asarray(t)``), which dispatch no aten
+    operation on CPU: while any OpCounter is active those methods are patched on ``torch.Tensor``
+    (restored when the last one exits) and count for the active counters of the calling thread only.
+    Everything is counted as it runs on CPU, where no read waits: the counts say what the same code
+    would wait for on a GPU (a CPU-only route, e.g. through numpy, counts although CUDA would not take it).
+
+    Only the operations that reach the dispatcher from Python are seen: views and ``detach`` count,
+    the operations a kernel calls inside itself do not (a profiler counts those too).
+
+    Dispatch modes are thread-local: ops on other threads (autograd's, a communication thread) are not
+    counted; :func:`count_exchanges` enters a counter on whichever thread runs ``state.exchange``.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+        self.host_reads: collections.Counter = collections.Counter()
+
+    @property
+    def total(self) -> int:
+        """aten operations counted."""
+        return sum(self.ops.values())
+
+    @property
+    def reads(self) -> int:
+        """Host reads counted."""
+        return sum(self.host_reads.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.ops[str(func.overloadpacket)] += 1
+        if not _local.reading and _host_read(func, args, kwargs):
+            self.host_reads[str(func.overloadpacket)] += 1
+        return func(*args, **kwargs)
+
+    def __enter__(self):
+        _patch_methods()
+        try:
+            entered = super().__enter__()
+        except BaseException:
+            _unpatch_methods()
+            raise
+        _counters_here().append(self)
+        return entered
+
+    def __exit__(self, *exc_info):
+        try:
+            counters = _counters_here()
+            if self in counters:
+                counters.reverse()
+                counters.remove(self)  # the innermost entry of this counter
+                counters.reverse()
+            return super().__exit__(*exc_info)
+        finally:
+            _unpatch_methods()
+
+
+class ExchangeCount:
+    """One counted ``state.exchange`` call: its ``tensors`` (gradients handed to it) and its counter."""
+
+    def __init__(self, tensors: int, counter: OpCounter):
+        self.tensors = tensors
+        self.ops = counter.ops
+        self.host_reads = counter.host_reads
+        self.total = counter.total
+        self.reads = counter.reads
+
+    def __repr__(self):
+        return f"ExchangeCount(tensors={self.tensors}, ops={self.total}, host_reads={self.reads})"
+
+
+class ExchangeCounts:
+    """What :func:`count_exchanges` saw: ``calls`` (one :class:`ExchangeCount` per ``state.exchange``
+    call, i.e. per DDP bucket sent through gradzip's thread, in order) and ``plain``: buckets the DDP
+    hook averaged with its own plain allreduce (``state.record_dense``), which run no exchange and so
+    count no operation here."""
+
+    def __init__(self):
+        self.calls: list[ExchangeCount] = []
+        self.plain = 0
+        self._lock = threading.Lock()
+
+    def _add(self, call: ExchangeCount) -> None:
+        with self._lock:
+            self.calls.append(call)
+
+    def reset(self) -> None:
+        with self._lock:
+            self.calls.clear()
+            self.plain = 0
+
+    @property
+    def exchanges(self) -> int:
+        return len(self.calls)
+
+    @property
+    def ops(self) -> int:
+        """aten operations over every counted exchange."""
+        return sum(c.total for c in self.calls)
+
+    @property
+    def host_reads(self) -> int:
+        """Host reads over every counted exchange."""
+        return sum(c.reads for c in self.calls)
+
+    @property
+    def tensors(self) -> int:
+        return sum(c.tensors for c in self.calls)
+
+    def by_op(self) -> collections.Counter:
+        """Operations by name over every counted exchange."""
+        total: collections.Counter = collections.Counter()
+        for c in self.calls:
+            total.update(c.ops)
+        return total
+
+    def reads_by_op(self) -> collections.Counter:
+        total: collections.Counter = collections.Counter()
+        for c in self.calls:
+            total.update(c.host_reads)
+        return total
+
+    def __repr__(self):
+        return (f"ExchangeCounts(exchanges={self.exchanges}, plain={self.plain}, tensors={self.tensors}, "
+                f"ops={self.ops}, host_reads={self.host_reads})")
+
+
+@contextlib.contextmanager
+def count_exchanges(state: GradzipState):
+    """Within the block, every ``state.exchange(...)`` call runs inside its own :class:`OpCounter`, on
+    whichever thread calls it (the DDP hook's exchanges run on the state's communication thread), and
+    every plain allreduce the DDP hook runs itself is counted in ``plain``.  Yields an
+    :class:`ExchangeCounts`; a call is recorded when it returns (or raises), so once a training step's
+    backward has returned, its buckets are in ``calls``.
+
+    Only the instance's attributes are patched (``exchange`` and ``record_dense``), and restored on exit.
+    """
+    counts = ExchangeCounts()
+    saved = {name: vars(state).get(name, _MISSING) for name in ("exchange", "record_dense")}
+    exchange, record_dense = state.exchange, state.record_dense
+
+    @functools.wraps(exchange)
+    def counted_exchange(named_grads, *args, **kwargs):
+        counter = OpCounter()
+        try:
+            with counter:
+                return exchange(named_grads, *args, **kwargs)
+        finally:
+            counts._add(ExchangeCount(len(named_grads), counter))
+
+    @functools.wraps(record_dense)
+    def counted_record_dense(*args, **kwargs):
+        with counts._lock:
+            counts.plain += 1
+        return record_dense(*args, **kwargs)
+
+    state.exchange, state.record_dense = counted_exchange, counted_record_dense
+    try:
+        yield counts
+    finally:
+        for name, value in saved.items():
+            if value is _MISSING:
+                vars(state).pop(name, None)
+            else:
+                setattr(state, name, value)
