@@ -78,11 +78,10 @@ _FLOAT32_MAX = torch.finfo(torch.float32).max
 class _Bucket:
     """What the route keeps for one bucket: its layout, where its input lies, its flat state."""
 
-    def __init__(self, layout: BucketLayout, names: tuple):
+    def __init__(self, layout: BucketLayout):
         self.layout = layout
-        self.names = names  # the per-element state it keeps (residual feedback's, the method's own)
         self.flat: dict[str, torch.Tensor] = {}  # committed state, one flat tensor per name
-        self.views: dict[str, list] = {}  # each key's view of it, as handed to GradzipState.tensors
+        self.views: dict[str, list] = {}  # each key's view of it (None: no such state), as in GradzipState.tensors
         self.skipped = DeferredFlag()
         self.input_at: Optional[tuple] = None  # (first data_ptr, last data_ptr) where the input is one run
 
@@ -96,38 +95,46 @@ class _Bucket:
             return torch.as_strided(grads[0], (self.layout.numel,), (1,))
         return torch.cat([g.reshape(-1) for g in grads])
 
-    def load(self, tensors: dict) -> dict:
-        """The committed flat state, rebuilt from the per-key entries where something replaced them
-        (``load_state_dict``, DDP regrouping its buckets, a test setting a residual)."""
-        layout = self.layout
-        names = {n for key in layout.keys for n in tensors.get(key, {}) if n in self.names}
-        for name in names | set(self.flat):
+    def load(self, tensors: dict, shapes: dict) -> dict:
+        """The committed flat state, for each name in ``shapes`` (per key: the shape of its value, None
+        where the key has none), rebuilt from the per-key entries where something replaced them
+        (``load_state_dict``, DDP regrouping its buckets, a test setting a residual); a key without a
+        value gets zeros, which the methods read as nothing (no residual owed, no usable basis)."""
+        keys = self.layout.keys
+        for name in [n for n in self.flat if n not in shapes]:
+            del self.flat[name], self.views[name]
+        for name, wanted in shapes.items():
             views = self.views.get(name)
-            current = [tensors.get(key, {}).get(name) for key in layout.keys]
-            if views is not None and all(c is v for c, v in zip(current, views)):
+            current = [tensors.get(key, {}).get(name) for key in keys]
+            if views is not None and all(c is v for c, v in zip(current, views)) and \
+                    all(v is None if w is None else v.shape == w for v, w in zip(views, wanted)):
                 continue
-            if all(c is None for c in current):
+            if all(c is None for c, w in zip(current, wanted) if w is not None):
                 self.flat.pop(name, None)
                 self.views.pop(name, None)
                 continue
-            parts = [torch.zeros(n, dtype=torch.float32, device=layout.device) if c is None else c.reshape(-1).float()
-                     for c, n in zip(current, layout.numels)]
-            self._keep(name, torch.cat(parts), tensors)
+            parts = [c.reshape(-1).float() if c is not None and c.shape == w else
+                     torch.zeros(w.numel(), dtype=torch.float32, device=self.layout.device)
+                     for c, w in zip(current, wanted) if w is not None]
+            self._keep(name, torch.cat(parts), wanted, tensors)
         return dict(self.flat)
 
-    def _keep(self, name: str, flat: torch.Tensor, tensors: dict) -> None:
+    def _keep(self, name: str, flat: torch.Tensor, shapes, tensors: dict) -> None:
         self.flat[name] = flat
-        views = self.views[name] = self.layout.pieces(flat)
+        present = [w for w in shapes if w is not None]
+        pieces = iter(p.view(w) for p, w in zip(torch.split(flat, [w.numel() for w in present]), present))
+        views = self.views[name] = [None if w is None else next(pieces) for w in shapes]
         for key, view in zip(self.layout.keys, views):
-            tensors.setdefault(key, {})[name] = view
+            if view is not None:
+                tensors.setdefault(key, {})[name] = view
 
-    def commit(self, updates: dict, bad: torch.Tensor, tensors: dict) -> None:
+    def commit(self, updates: dict, shapes: dict, bad: torch.Tensor, tensors: dict) -> None:
         """Make the staged flat state committed where ``bad`` (a device bool) is False; keep the old
-        one (none: zeros, which error feedback reads as nothing owed) where it is True."""
+        one (none: zeros, which the methods read as nothing) where it is True."""
         for name, new in updates.items():
             old = self.flat.get(name)
-            if old is None:
-                self._keep(name, new.masked_fill_(bad, 0.0), tensors)
+            if old is None or old.shape != new.shape:
+                self._keep(name, new.masked_fill_(bad, 0.0), shapes[name], tensors)
             else:
                 torch.where(bad, old, new, out=old)
 
@@ -147,8 +154,7 @@ class BucketRoute:
         entry = self.buckets.get(keys)
         if entry is None or entry.layout.dtype != grads[0].dtype or entry.layout.device != grads[0].device:
             layout = BucketLayout(keys, [g.shape for g in grads], grads[0].dtype, grads[0].device)
-            names = _feedback.scheme_of(compressor).state_keys + tuple(compressor.bucket_state)
-            entry = self.buckets[keys] = _Bucket(layout, names)
+            entry = self.buckets[keys] = _Bucket(layout)
             # A key belongs to one bucket: DDP regroups its buckets after the first step.
             for other in [k for k in self.buckets if k != keys and set(k) & set(keys)]:
                 del self.buckets[other]
@@ -173,8 +179,10 @@ class BucketRoute:
         layout, compressor = entry.layout, state.compressor
         compressor.observe_step(keys, time.perf_counter())
         flat_g = entry.flat_input(grads)
-        b = BucketContext(layout, step=state.steps.get(keys[0], 0), rank=state.rank, world_size=state.world_size,
-                          seed=state.seed, state=entry.load(state.tensors))
+        step = state.steps.get(keys[0], 0)
+        shapes = _state_shapes(compressor, layout, step)
+        b = BucketContext(layout, step=step, rank=state.rank, world_size=state.world_size, seed=state.seed,
+                          state=entry.load(state.tensors, shapes))
         local = torch.zeros((), dtype=torch.bool, device=layout.device)
         if not compressor.carries_nonfinite and layout.numel:
             local = ~torch.isfinite(torch.linalg.vector_norm(flat_g, float("inf")))
@@ -188,13 +196,21 @@ class BucketRoute:
         poison = torch.where(bad, float("nan"), 1.0)  # x * 1 == x for every x, NaN too
         in_place = out is not None and entry.input_at is not None and all(o is g for o, (_, g) in zip(out, named_grads))
         outputs = _write(aggregate, poison, out, flat_g if in_place else None, layout)
-        entry.commit(b.updates, bad, state.tensors)
+        entry.commit(b.updates, shapes, bad, state.tensors)
         entry.skipped.set(bad)
         for key in keys:
             state.steps[key] = b.step + 1
         _count(state.totals, report, layout, result, compressor)
         state.last_report = report
         return outputs
+
+
+def _state_shapes(compressor: Compressor, layout: BucketLayout, step: int) -> dict:
+    """Per state name, the shape of each key's value: residual feedback's, like the gradients; the
+    method's own (:meth:`Compressor.bucket_state_shapes`)."""
+    shapes = dict.fromkeys(_feedback.scheme_of(compressor).state_keys, layout.shapes)
+    shapes.update(compressor.bucket_state_shapes(layout, step))
+    return shapes
 
 
 def _write(aggregate, poison, out, flat_out, layout):

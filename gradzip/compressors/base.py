@@ -343,6 +343,12 @@ class Compressor:
     #: the first commit) and staged with ``b.set(name, flat)``; saved per tensor like any state.
     bucket_state: ClassVar[tuple] = ()
 
+    def bucket_state_shapes(self, layout, step: int) -> dict:
+        """The method's own state on the bucket route: per name, the shape of each tensor's value (None
+        where it keeps none); ``b.get(name)`` is then the values of the tensors that have one, flat and
+        end to end.  By default :attr:`bucket_state`, one value like each gradient."""
+        return dict.fromkeys(self.bucket_state, layout.shapes)
+
     def takes_bucket(self, world_size: int) -> bool:
         """Whether :meth:`bucket_exchange` serves buckets exchanged among ``world_size`` ranks."""
         return self.bucketed
