@@ -155,8 +155,133 @@ class PowerSGD(Compressor):
         bound = r * P.abs().max() * Qbar_t.abs().max() if P.numel() else None
         return Exchanged(aggregate, sent, sent_into=sent, subtract_sent=subtract_sent, bound=bound)
 
+    # -- the bucket route ---------------------------------------------------------------------------
+    bucketed = True
+
+    def _bucket_plan(self, layout, step: int) -> tuple:
+        """(classes, dense): the compressed matrices grouped by matrix shape, as (n, m, r, members), and
+        the tensors averaged densely; cached per layout and phase (before or from ``dense_steps``)."""
+        cache = self.__dict__.setdefault("_plans", {})
+        key = (id(layout), step >= self.dense_steps)
+        if key not in cache:
+            classes, dense = {}, []
+            for i, shape in enumerate(layout.shapes):
+                ctx = TensorContext(key="", shape=shape, dtype=layout.dtype, step=step)
+                if self.compresses(ctx):
+                    classes.setdefault(self.matrix_shape(ctx), []).append(i)
+                else:
+                    dense.append(i)
+            cache.clear()  # one layout at a time is enough: DDP's buckets are exchanged in turn
+            cache[key] = ([(n, m, r, tuple(members)) for (n, m, r), members in classes.items()], tuple(dense))
+        return cache[key]
+
+    def bucket_state_shapes(self, layout, step):
+        classes, _ = self._bucket_plan(layout, step)
+        shapes = [None] * len(layout)
+        for n, m, r, members in classes:
+            for i in members:
+                shapes[i] = torch.Size((m, r))
+        return {"Q": shapes}
+
+    def bucket_exchange(self, p, b):
+        """Each compressed matrix as in :meth:`exchange`, all matrices of one shape at once (``bmm``, a
+        batched Gram-Schmidt); every P and the dense tensors' x / N in one allreduce, every Q in a second.
+        Wire: (n + m) * r * 4 bytes per compressed matrix, 4 per element of the others."""
+        layout, N = b.layout, b.world_size
+        classes, dense = self._bucket_plan(layout, b.step)
+        pieces = torch.split(p, layout.numels)
+        Ms = [torch.stack([pieces[i] for i in members]).view(-1, n, m) for n, m, r, members in classes]
+        Qs = self._bucket_bases(b, classes)
+        Ps = [torch.bmm(M, Q) for M, Q in zip(Ms, Qs)]
+        dense_part = torch.cat([pieces[i] for i in dense]).div_(N) if dense else p.new_empty(0)
+        total = yield AllReduce(torch.cat([P.reshape(-1) for P in Ps] + [dense_part]))
+        sums = torch.split(total, [P.numel() for P in Ps] + [dense_part.numel()])
+        Ps = [_orthogonalized(S.view_as(P), self.epsilon) for S, P in zip(sums, Ps)]
+        Qts = [torch.bmm(P.transpose(1, 2), M) for P, M in zip(Ps, Ms)]  # Q_i^T = (M^T P)^T
+        Qbar_ts = []
+        if classes:  # (none before dense_steps)
+            total = (yield AllReduce(torch.cat([Qt.reshape(-1) for Qt in Qts]))) / N
+            Qbar_ts = [S.view_as(Qt) for S, Qt in zip(torch.split(total, [Qt.numel() for Qt in Qts]), Qts)]
+            b.set("Q", self._in_key_order(layout, classes, [Q.transpose(1, 2) for Q in Qbar_ts]))
+        aggregate = torch.empty(layout.numel, device=p.device)
+        _fill(aggregate, layout, classes, dense, [torch.bmm(P, Qb) for P, Qb in zip(Ps, Qbar_ts)], sums[-1])
+
+        def subtract_sent(q):  # q - P Q_i^T on the matrices, q - q = 0 on the dense tensors (sent whole)
+            parts = torch.split(q, layout.numels)
+            mine = [torch.bmm(P, Qt) for P, Qt in zip(Ps, Qts)]
+            _foreach_rows(torch._foreach_sub_, parts, classes, mine)
+            if dense:
+                torch._foreach_zero_([parts[i] for i in dense])
+            return q
+
+        def sent():  # P Q_i^T on the matrices, the dense tensors as they are
+            out = torch.empty_like(p)
+            dense_values = torch.cat([pieces[i] for i in dense]) if dense else p.new_empty(0)
+            _fill(out, layout, classes, dense, [torch.bmm(P, Qt) for P, Qt in zip(Ps, Qts)], dense_values)
+            return out
+
+        return Exchanged(aggregate, sent, subtract_sent=subtract_sent)
+
+    def _bucket_bases(self, b, classes) -> list:
+        """Each class's Q: the kept bases where every column of a matrix's basis is non-zero, else a
+        draw shared by every rank (counter-based normals), orthogonalised as in :meth:`initial_q`."""
+        if not classes:
+            return []
+        kept = b.get("Q") if self.warm_start else None
+        counts = [len(members) * m * r for n, m, r, members in classes]
+        u = b.uniforms(2 * sum(counts), shared=True, salt="powersgd-Q").view(2, -1)
+        normal = torch.sqrt(-2 * torch.log1p(-u[0])) * torch.cos(2 * math.pi * u[1])  # Box-Muller
+        fresh = [d.view(len(members), m, r) for d, (n, m, r, members) in zip(torch.split(normal, counts), classes)]
+        if kept is None:
+            return [_orthogonalized(q, self.epsilon) for q in fresh]
+        sizes = {i: m * r for n, m, r, members in classes for i in members}
+        qs = dict(zip(sorted(sizes), torch.split(kept, [sizes[i] for i in sorted(sizes)])))  # in key order
+        held = [torch.stack([qs[i] for i in members]).view(-1, m, r) for n, m, r, members in classes]
+        return [_orthogonalized(torch.where((torch.linalg.vector_norm(q, dim=1) > 0).all(1).view(-1, 1, 1), q, f),
+                                self.epsilon) for q, f in zip(held, fresh)]
+
+    @staticmethod
+    def _in_key_order(layout, classes, per_class) -> torch.Tensor:
+        """The classes' per-matrix values laid end to end in the order of the bucket's keys."""
+        rows = {i: row for (n, m, r, members), values in zip(classes, per_class)
+                for i, row in zip(members, values.reshape(len(members), -1).unbind(0))}
+        return torch.cat([rows[i] for i in sorted(rows)])
+
+    def bucket_payload_bytes(self, layout):
+        classes, dense = self._bucket_plan(layout, self.dense_steps)
+        return sum((n + m) * r * 4 * len(members) for n, m, r, members in classes) + 4 * sum(layout.numels[i] for i in dense)
+
     def payload_bytes(self, ctx, kept=None):
         if not self.compresses(ctx):  # sent densely by feedback.py, in the gradient's dtype
             return ctx.shape.numel() * ctx.dtype.itemsize
         n, m, r = self.matrix_shape(ctx)
         return (n + m) * r * 4
+
+
+def _orthogonalized(a: torch.Tensor, epsilon: float) -> torch.Tensor:
+    """:func:`orthogonalize` of each matrix of the batch ``a`` (b x n x r) at once."""
+    a = a.clone()
+    for i in range(a.shape[2]):
+        col = a[:, :, i:i + 1]
+        col /= torch.linalg.vector_norm(col, dim=1, keepdim=True) + epsilon
+        rest = a[:, :, i + 1:]
+        rest -= col * torch.bmm(col.transpose(1, 2), rest)
+    return a
+
+
+def _foreach_rows(op, parts, classes, values) -> None:
+    """``op(tensors, rows)`` over every compressed matrix's part of the bucket and its row of ``values``."""
+    targets, rows = [], []
+    for (n, m, r, members), batch in zip(classes, values):
+        targets.extend(parts[i] for i in members)
+        rows.extend(batch.reshape(len(members), -1).unbind(0))
+    if targets:
+        op(targets, rows)
+
+
+def _fill(aggregate, layout, classes, dense, per_class, dense_total) -> None:
+    """The aggregate's matrices from ``per_class`` and its dense tensors from ``dense_total``."""
+    parts = torch.split(aggregate, layout.numels)
+    _foreach_rows(torch._foreach_copy_, parts, classes, per_class)
+    if dense:
+        torch._foreach_copy_([parts[i] for i in dense], list(torch.split(dense_total, [layout.numels[i] for i in dense])))
