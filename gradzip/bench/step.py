@@ -27,7 +27,9 @@ the calling thread counts and ``all_threads`` is false).  Counted per step:
   CPU, which launches nothing, this is the measure of how many operations a step dispatches;
 - ``host_reads``: operations whose result the host must read before it can go on:
   ``aten::_local_scalar_dense`` (what ``.item()``, ``bool()``, ``int()`` of a tensor reach; ``aten::item``
-  itself is not counted again), ``aten::nonzero``, ``aten::masked_select``, ``aten::unique*``.
+  itself is not counted again), ``aten::nonzero``, ``aten::masked_select``, ``aten::unique*``.  Reads of
+  CPU tensors count too (AdamW reads its CPU step counters, one per parameter), so on CUDA ``syncs``, not
+  this, says how often the host waited for the GPU.
 
 Under torchrun (WORLD_SIZE > 1) every rank runs the same contenders and rank 0 reports its own
 numbers; alone, the command makes a one-process group itself (gloo on CPU, NCCL on CUDA, FileStore).
@@ -43,6 +45,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from collections import Counter
 from typing import Callable, Optional, Sequence
 
@@ -174,9 +177,11 @@ def _contender(name: str, cfg: dict, device: torch.device, x: torch.Tensor, y: t
         activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
         if cuda:
             torch.cuda.synchronize(device)
-        with torch.profiler.profile(activities=activities, experimental_config=config) as prof:
-            for _ in range(cfg["profile_steps"]):
-                step()
+        with warnings.catch_warnings():  # "Profiler clears events at the end of each cycle": one cycle here
+            warnings.filterwarnings("ignore", message=".*Profiler clears events")
+            with torch.profiler.profile(activities=activities, experimental_config=config) as prof:
+                for _ in range(cfg["profile_steps"]):
+                    step()
         if cuda:
             torch.cuda.synchronize(device)
         counts = _count(prof.events(), config is not None, cfg["profile_steps"])
@@ -248,7 +253,7 @@ def run(methods: Optional[Sequence[str]] = None, *, device: Optional[str] = None
         with torch.device("meta"):
             params = sum(p.numel() for p in _model(cfg).parameters())
         env = {**machine(dev), "world_size": dist.get_world_size(), "backend": dist.get_backend(),
-               "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:])}
+               "command": " ".join(getattr(sys, "orig_argv", sys.argv))}
         return {"env": env, "config": {**cfg, "parameters": params}, "rows": rows}
     finally:
         if owned:
@@ -260,25 +265,31 @@ def _fmt(value, spec: str) -> str:
     return format(value, spec) if value is not None else "-".rjust(int(spec.split(".")[0]))
 
 
+def _count_text(value: float, width: int) -> str:
+    """A per-step count: whole where it is (most are), else with one decimal (0.5: once in two steps)."""
+    return f"{value:{width}.0f}" if value == int(value) else f"{value:{width}.1f}"
+
+
 def format_table(result: dict) -> str:
     env, c = result["env"], result["config"]
     cuda = env["device"].startswith("cuda")
     lines = [f"gradzip step benchmark: {env.get('gpu') or env['cpu']}, torch {env['torch']}, world size "
-             f"{env['world_size']} ({env['backend']}); GPT {c['parameters'] / 1e6:.1f}M parameters (width "
+             f"{env['world_size']} ({env['backend']}); GPT {c['parameters']:,} parameters (width "
              f"{c['width']}, depth {c['depth']}, context {c['context']}, vocab {c['vocab']}), batch {c['batch']}, "
              f"amp {c['amp']}, buckets {c['bucket_mb']:g} MB; median of {c['steps']} steps after "
              f"{c['warmup']} + 1 warm-up", ""]
     count = ("launches", "syncs") if cuda else ("aten_ops",)
-    head = f"{'method':16s} {'ms/step':>8s} {'x DDP':>6s} {'first ms':>9s} {'peak MB':>8s}"
+    w = max([16] + [len(r["method"]) for r in result["rows"]])
+    head = f"{'method':{w}s} {'ms/step':>8s} {'x DDP':>6s} {'first ms':>9s} {'peak MB':>8s}"
     head += "".join(f" {h:>9s}" for h in count) + f" {'reads':>6s}  note"
     lines.append(head)
     for r in result["rows"]:
         if "error" in r:
-            lines.append(f"{r['method']:16s} error: {r['error']}")
+            lines.append(f"{r['method']:{w}s} error: {r['error']}")
             continue
-        line = (f"{r['method']:16s} {r['ms']:8.2f} {_fmt(r['x_ddp'], '6.2f')} {r['first_ms']:9.1f} "
+        line = (f"{r['method']:{w}s} {r['ms']:8.2f} {_fmt(r['x_ddp'], '6.2f')} {r['first_ms']:9.1f} "
                 f"{_fmt(r['peak_mb'], '8.0f')}")
-        line += "".join(f" {r[k]:9.0f}" for k in count) + f" {r['host_reads']:6.0f}  {r['note']}"
+        line += "".join(" " + _count_text(r[k], 9) for k in count) + f" {_count_text(r['host_reads'], 6)}  {r['note']}"
         lines.append(line.rstrip())
     all_threads = all(r.get("all_threads", True) for r in result["rows"])
     lines += ["", "ms/step: median of the timed steps, each between two synchronisations; first ms: the first "
