@@ -17,22 +17,26 @@ nvidia-smi -L | tee "$OUT_DIR/nvidia-smi.txt"
 "$PYTHON" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0))' \
   | tee "$OUT_DIR/torch.txt"
 
-step_rc=0
+step_rc=0; start=$SECONDS
 echo "== gradzip bench step (DDP, PyTorch's hooks, every gradzip method) =="
 timeout 300 "$PYTHON" -m gradzip bench step --device cuda --json "$OUT_DIR/step.json" 2>&1 \
   | tee "$OUT_DIR/step.log" || step_rc=$?
+step_s=$((SECONDS - start)); start=$SECONDS
 
 echo "== GPU tests: -k \"$GPU_TESTS\" =="
 tests_rc=0
 timeout 120 "$PYTHON" -m pytest -q -x tests/stacks/test_gpu.py -k "$GPU_TESTS" 2>&1 \
   | tee "$OUT_DIR/gpu_tests.log" || tests_rc=$?
+tests_s=$((SECONDS - start)); start=$SECONDS
 
 echo "== gradzip bench kernels (flat 25M, 3 rounds) =="
 kernels_rc=0
 timeout 180 "$PYTHON" -m gradzip bench kernels --device cuda --workloads flat --repeat 3 \
   --json "$OUT_DIR/kernels.json" 2>&1 | tee "$OUT_DIR/kernels.log" || kernels_rc=$?
+kernels_s=$((SECONDS - start))
 
-echo "exit codes: bench step $step_rc, GPU tests $tests_rc (5: none selected), bench kernels $kernels_rc (124: timed out)" \
+echo "exit codes (124: timed out): bench step $step_rc in ${step_s} s, GPU tests $tests_rc (5: none selected)" \
+  "in ${tests_s} s, bench kernels $kernels_rc in ${kernels_s} s" \
   | tee "$OUT_DIR/summary.txt"
 echo "outputs in $OUT_DIR"
 [ "$step_rc" = 0 ] && [ "$kernels_rc" = 0 ]
