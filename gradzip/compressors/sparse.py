@@ -552,6 +552,35 @@ class RandomK(SharedSparsifier):
     def payload_bytes(self, ctx, kept=None):
         return (self.kept(ctx) if kept is None else kept) * self.values_dtype(ctx).itemsize
 
+    bucketed = True
+
+    def bucket_exchange(self, p, b):
+        """Per tensor the same k = ceil(ratio * n) positions on every rank: the k largest of n uniform
+        keys drawn by counter, shared by the ranks (``b.uniforms(shared=True)``; one draw and one topk
+        per size class), so every k-subset is equally likely (up to ties among the keys, which lie on
+        a 2^-24 grid).  The values (times n / k if unbiased) are allreduced as in :meth:`exchange`,
+        divided by N before a 16-bit cast.  Wire: the bucket's K values, no index."""
+        layout, vdtype = b.layout, self._vdtype or b.layout.dtype
+        pre = b.world_size if vdtype.itemsize == 2 else 1
+        positions, values = [], []
+        for size in layout.classes:
+            k = math.ceil(self.ratio * size.numel)
+            keys = b.uniforms(len(size.members) * size.numel, shared=True, salt=f"randomk/{size.numel}")
+            idx = keys.view(-1, size.numel).topk(k, dim=1, sorted=False).indices.add_(size.starts.view(-1, 1)).view(-1)
+            scale = size.numel / k if self.unbiased else 1.0
+            positions.append(idx)
+            values.append(_times(p.index_select(0, idx), scale / pre))
+        idx = torch.cat(positions) if positions else torch.empty(0, dtype=torch.int64, device=p.device)
+        payload = (torch.cat(values) if values else p.new_empty(0)).to(vdtype)
+        total = yield AllReduce(payload)
+        aggregate = torch.zeros(layout.numel, dtype=torch.float32, device=p.device)
+        aggregate.index_copy_(0, idx, _times(total.float(), pre / b.world_size))
+        return Exchanged(aggregate, sparse=(idx, _times(payload.float(), pre)),
+                         sent_exactly=p.dtype == vdtype == torch.float32 and not self.unbiased)
+
+    def bucket_payload_bytes(self, layout):
+        return sum(math.ceil(self.ratio * n) for n in layout.numels) * (self._vdtype or layout.dtype).itemsize
+
 
 # -- allgathered sparsifiers with data-dependent sizes ---------------------------------------------------
 
