@@ -19,7 +19,9 @@ CASES = [(name, {}) for name in BUCKETED] + [
     ("fp16", {"feedback": "residual"}), ("bf16", {"feedback": "residual"}), ("topk", {"ratio": 0.3}),
     ("topk", {"ratio": 0.9}), ("topk", {"value_dtype": "float16"}), ("topk", {"feedback": "none"}),
     ("efsignsgd", {"feedback": "none"}),
-    ("randomk", {"ratio": 0.9, "unbiased": True}), ("randomk", {"ratio": 0.5, "value_dtype": "float16"})]
+    ("randomk", {"ratio": 0.9, "unbiased": True}), ("randomk", {"ratio": 0.5, "value_dtype": "float16"}),
+    ("threshold", {"tau": 1.5}), ("threshold", {"tau": 1.0, "value_dtype": "float16"}),
+    ("threshold", {"tau": 1.0, "feedback": "none"}), ("dropping", {"drop_ratio": 0.5, "sample_ratio": 0.25})]
 IDS = [f"{name}-{'-'.join(f'{k}={v}' for k, v in params.items()) or 'default'}" for name, params in CASES]
 #: Methods whose per-tensor quantities are float sums (a scale, a norm): equal to the per-tensor route
 #: up to the order of those sums, not bit for bit.

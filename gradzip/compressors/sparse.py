@@ -8,6 +8,7 @@ values alone and send no indices.  Indices use the smallest integer dtype that a
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Optional
 
 import numpy as np
@@ -280,6 +281,19 @@ def strided_sample(a: torch.Tensor, sample_ratio: float, ctx: TensorContext) -> 
     gen = ctx.generator(torch.device("cpu"), shared=False, salt="sample")
     start = int(torch.randint(min(stride, a.numel()), (1,), generator=gen))
     return a[start::stride]
+
+
+#: Each bucket layout's size classes' members as device tensors (see :func:`class_members`).
+_MEMBERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def class_members(layout, size) -> torch.Tensor:
+    """A size class's members (positions in the bucket's list of tensors) as an int64 device tensor,
+    built once per layout, for writing per-tensor values found size class by size class."""
+    cached = _MEMBERS.setdefault(layout, {})
+    if size.numel not in cached:
+        cached[size.numel] = torch.tensor(size.members, dtype=torch.int64, device=layout.device)
+    return cached[size.numel]
 
 
 def _kth_largest(a: torch.Tensor, k: int) -> torch.Tensor:
@@ -585,6 +599,72 @@ class RandomK(SharedSparsifier):
 # -- allgathered sparsifiers with data-dependent sizes ---------------------------------------------------
 
 
+class MaskedBucket:
+    """The bucket route of a sparsifier that selects by a mask whose count depends on the data
+    (Threshold, Gradient dropping): a mixin before :class:`Sparsifier` in the bases.
+
+    The subclass computes its selection over the whole bucket as one bool mask (:meth:`bucket_mask`);
+    then one allreduce gives the largest count over the ranks, K, and **the bucket's one host read**
+    (:func:`masked_bucket_exchange`) takes K and this rank's own count, which fix the payload's size.
+    Every rank sends K (value, position in the bucket) pairs, its own first, padded with position n (a
+    slot past the bucket, dropped by the receivers); or, where pairs would take more bytes than the
+    bucket's n values, those values, zero where not selected.  The sums are those of :meth:`exchange`:
+    every rank's values added at its positions in rank order, divided by N.  Wire: 8 bytes (the count)
+    + K * (value bytes + index bytes), or n * value bytes.
+    """
+
+    def bucket_mask(self, p: torch.Tensor, b) -> torch.Tensor:
+        """Whether each element of the flat ``p`` is sent (bool, over the bucket)."""
+        raise NotImplementedError
+
+    def bucket_exchange(self, p, b):
+        vdtype = self._vdtype or b.layout.dtype
+        kept = self.__dict__.setdefault("_bucket_kept", {})
+        return (yield from masked_bucket_exchange(p, b, self.bucket_mask(p, b), vdtype, kept))
+
+    def bucket_payload_bytes(self, layout, kept: Optional[int] = None) -> int:
+        """Bytes sent for K = ``kept`` pairs (None: the K of this bucket's last exchange)."""
+        if kept is None:
+            kept = self.__dict__.get("_bucket_kept", {}).get(layout.keys)
+            if kept is None:
+                raise ValueError(f"{self.name} sends a data-dependent number of elements; pass kept=")
+        vbytes = (self._vdtype or layout.dtype).itemsize
+        if _pairs_exceed(kept, layout.numel, vbytes):
+            return 8 + layout.numel * vbytes
+        return 8 + kept * (vbytes + index_dtype(layout.numel + 1).itemsize)
+
+
+def _pairs_exceed(kept: int, n: int, vbytes: int) -> bool:
+    """Whether ``kept`` (value, index) pairs over a bucket of n take more bytes than its n values."""
+    return kept * (vbytes + index_dtype(n + 1).itemsize) > n * vbytes
+
+
+def masked_bucket_exchange(p: torch.Tensor, b, passed: torch.Tensor, vdtype: torch.dtype, kept_by_bucket: dict):
+    """See :class:`MaskedBucket`.  ``kept_by_bucket`` records K under the bucket's keys."""
+    n = b.layout.numel
+    own = torch.count_nonzero(passed).view(1)
+    most = yield AllReduce(own, op="max")
+    kept, mine = torch.cat([most, own]).tolist()  # the bucket's one host read: K and this rank's count
+    kept_by_bucket[b.layout.keys] = kept
+    idx = torch.nonzero_static(passed, size=kept, fill_value=n).view(-1)  # ascending, then the padding
+    values = p.index_select(0, idx.clamp(max=n - 1)).to(vdtype)
+    dense = _pairs_exceed(kept, n, vdtype.itemsize)
+    if dense:
+        fields = (torch.zeros(n, dtype=vdtype, device=p.device).index_copy_(0, idx[:mine], values[:mine]),)
+    else:
+        fields = (values, idx.to(index_dtype(n + 1)))
+    gathered = yield AllGather(fields)
+    total = torch.zeros(n + 1, dtype=torch.float32, device=p.device)
+    for got in gathered:  # rank order: identical sums on every rank; rank 0's is 0 + v, as in exchange()
+        if dense:
+            total[:n] += got[0]
+        else:
+            total.index_add_(0, got[1].long(), got[0].float())
+    exactly = p.dtype == vdtype == torch.float32
+    return Exchanged(total[:n].div_(b.world_size), sparse=(idx[:mine], values[:mine].float()), sent_exactly=exactly)
+
+
+
 @kernels.fused(min_numel=kernels.LARGE_NUMEL)
 def _above_tau(flat, tau, out):
     """where(|x| > tau, x, 0): Threshold's dense payload, one read of x (the mask is not read)."""
@@ -592,7 +672,7 @@ def _above_tau(flat, tau, out):
 
 
 @register
-class Threshold(Sparsifier):
+class Threshold(MaskedBucket, Sparsifier):
     """Threshold sparsification (Strom, Interspeech 2015): send every x_i with |x_i| > tau.
 
     tau is a static hyper-parameter, hard to tune (the right value drifts during training), so the number
@@ -619,9 +699,16 @@ class Threshold(Sparsifier):
         return (flat.dtype == out.dtype == torch.float32 and kernels.enabled(flat.numel())
                 and _above_tau(flat, torch.tensor(self.tau, dtype=torch.float32), out) is not None)
 
+    bucketed = True
+
+    def bucket_mask(self, p, b):
+        """|p_i| > tau, one comparison over the bucket (tau rounded to float32, as per tensor); the
+        exchange and its one host read: :class:`MaskedBucket`."""
+        return torch.abs(p) > self.tau
+
 
 @register
-class GradientDropping(Sparsifier):
+class GradientDropping(MaskedBucket, Sparsifier):
     """Gradient dropping (Aji & Heafield, EMNLP 2017): drop the R = ``drop_ratio`` smallest |x_i|.
 
     The threshold is the R-quantile of a strided random sample of |x| (``sample_ratio`` of it), which avoids
@@ -649,6 +736,29 @@ class GradientDropping(Sparsifier):
         keep = sample.numel() - math.floor(self.drop_ratio * sample.numel())
         expected = math.ceil(keep * flat.numel() / sample.numel())
         return _at_least_abs(flat, _kth_largest(sample, keep), expected)
+
+    bucketed = True
+
+    def bucket_mask(self, p, b):
+        """|p_i| >= t (and > 0) with t per tensor the keep-th largest of its sample as in :meth:`select`,
+        keep = s - floor(R s) for a sample of s: per size class, each row's strided sample from a start
+        drawn by counter for each rank (``b.uniforms(shared=False)``), one topk of the samples.  The
+        exchange and its one host read: :class:`MaskedBucket`."""
+        layout, stride = b.layout, max(1, round(1 / self.sample_ratio))
+        thresholds = torch.zeros(len(layout), dtype=torch.float32, device=p.device)
+        for size in layout.classes:
+            n, span = size.numel, min(stride, size.numel)
+            starts = b.uniforms(len(size.members), shared=False, salt=f"dropping/{n}").mul_(span).long().clamp_(max=span - 1)
+            width = -(-n // stride)  # the longest sample: from start 0
+            columns = starts.view(-1, 1) + stride * torch.arange(width, device=p.device)
+            outside = columns >= n
+            sample = layout.rows(p, size).gather(1, columns.clamp(max=n - 1)).abs_().masked_fill_(outside, -1.0)
+            s = width - outside.sum(dim=1)
+            keep = s - torch.floor(s.double() * self.drop_ratio).long()
+            top = sample.topk(width - math.floor(self.drop_ratio * width), dim=1).values  # descending
+            thresholds.index_copy_(0, class_members(layout, size), top.gather(1, keep.view(-1, 1) - 1).view(-1))
+        info = torch.finfo(torch.float32)
+        return torch.abs(p) >= layout.per_element(thresholds.clamp_min_(info.smallest_normal * info.eps))
 
 
 @register
