@@ -21,11 +21,12 @@ CASES = [(name, {}) for name in BUCKETED] + [
     ("efsignsgd", {"feedback": "none"}),
     ("randomk", {"ratio": 0.9, "unbiased": True}), ("randomk", {"ratio": 0.5, "value_dtype": "float16"}),
     ("threshold", {"tau": 1.5}), ("threshold", {"tau": 1.0, "value_dtype": "float16"}),
-    ("threshold", {"tau": 1.0, "feedback": "none"}), ("dropping", {"drop_ratio": 0.5, "sample_ratio": 0.25})]
+    ("threshold", {"tau": 1.0, "feedback": "none"}), ("dropping", {"drop_ratio": 0.5, "sample_ratio": 0.25}),
+    ("adaptive_threshold", {"ratio": 0.3}), ("adaptive_threshold", {"ratio": 1.0, "feedback": "none"})]
 IDS = [f"{name}-{'-'.join(f'{k}={v}' for k, v in params.items()) or 'default'}" for name, params in CASES]
 #: Methods whose per-tensor quantities are float sums (a scale, a norm): equal to the per-tensor route
 #: up to the order of those sums, not bit for bit.
-SUM_ORDER = {"efsignsgd"}
+SUM_ORDER = {"efsignsgd", "adaptive_threshold"}
 #: Methods that draw at random: the bucket route draws by counter (kernels.counter_uniforms), the
 #: per-tensor route from a generator per tensor, so the two are compared in expectation instead.
 RANDOM = {name for name in BUCKETED if not make(name).deterministic}

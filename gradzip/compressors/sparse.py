@@ -1023,3 +1023,63 @@ class AdaptiveThreshold(Compressor):
         if kept is None:
             raise ValueError(f"{self.name} sends a data-dependent number of elements; pass kept=")
         return 8 + kept * index_dtype(ctx.shape.numel()).itemsize
+
+    bucketed = True
+
+    def bucket_exchange(self, p, b):
+        """Per tensor P, M, mu+ and mu- as in :meth:`exchange`, size class by size class: each row's
+        counts of positive and negative values give its k+ and k-; after the count allreduce, **the
+        bucket's one host read** takes the largest per-rank totals K+ and K- over the ranks, this rank's
+        own totals and each size class's largest k+ and k-, which size one sorted topk per class and
+        sign (its first k of each row are kept; the means are sums over them, so equal to the
+        per-tensor route's up to the order of those sums).  Wire: 16 bytes (the totals) + 8 per tensor
+        (mu+, mu-) + (K+ + K-) positions in the bucket, this rank's own first, padded with position n
+        (dropped by the receivers), which decode to the mean of the tensor they lie in."""
+        layout, n = b.layout, b.layout.numel
+        rows = [layout.rows(p, size) for size in layout.classes]
+        ks = [torch.ceil(torch.stack([(r > 0).sum(dim=1), (r < 0).sum(dim=1)]).double() * self.ratio).long()
+              for r in rows]  # per class: (2, members) k+ and k-
+        own = torch.cat(ks, dim=1).sum(dim=1) if ks else torch.zeros(2, dtype=torch.int64, device=p.device)
+        most = yield AllReduce(own, op="max")
+        peaks = [k.amax(dim=1) for k in ks]
+        read = torch.cat([most, own, *peaks]).tolist()  # the bucket's one host read
+        self.__dict__.setdefault("_bucket_kept", {})[layout.keys] = read[0] + read[1]
+        means, marks = self._bucket_sides(p, layout, rows, ks, read[4:])
+        itype = index_dtype(n + 1)
+        sides = [torch.nonzero_static(mark, size=size, fill_value=n).view(-1) for mark, size in zip(marks, read[:2])]
+        gathered = yield AllGather((means, *(side.to(itype) for side in sides)))
+        ends = torch.cumsum(layout.lengths, 0)
+        total = torch.zeros(n + 1, dtype=torch.float32, device=p.device)
+        for mu, *positions in gathered:  # rank order, + then -: as exchange() adds them
+            for side, at in enumerate(positions):
+                at = at.long()
+                tensor = torch.searchsorted(ends, at, right=True).clamp_(max=len(layout) - 1)
+                total.index_add_(0, at, mu.view(2, -1)[side].index_select(0, tensor))
+        own_at = [side[:count] for side, count in zip(sides, read[2:4])]
+        values = [means.view(2, -1)[s].index_select(0, torch.searchsorted(ends, at, right=True)) for s, at in enumerate(own_at)]
+        return Exchanged(total[:n].div_(b.world_size), sparse=(torch.cat(own_at), torch.cat(values)))
+
+    def _bucket_sides(self, p, layout, rows, ks, peaks):
+        """(means: mu+ of every tensor then mu- of every tensor, fp32; the bool masks of P and M over
+        the bucket), from each size class's rows, k (2, members) and its peaks [k+ max, k- max, ...]."""
+        means = torch.zeros(2, len(layout), dtype=torch.float32, device=p.device)
+        marks = torch.zeros(2, layout.numel, dtype=torch.bool, device=p.device)
+        for c, (size, r, k) in enumerate(zip(layout.classes, rows, ks)):
+            for side in (0, 1):
+                peak = peaks[2 * c + side]
+                if not peak:
+                    continue
+                values, idx = r.topk(peak, dim=1, largest=side == 0)  # sorted: its first k are kept
+                kept = torch.arange(peak, device=p.device) < k[side].view(-1, 1)
+                sums = torch.where(kept, values, 0.0).sum(dim=1)
+                means[side].index_copy_(0, class_members(layout, size), sums / k[side].clamp(min=1))
+                marks[side].index_put_((idx.add_(size.starts.view(-1, 1)).view(-1),), kept.view(-1))
+        return means.view(-1), marks
+
+    def bucket_payload_bytes(self, layout, kept: Optional[int] = None):
+        """Bytes sent for K+ + K- = ``kept`` positions (None: those of this bucket's last exchange)."""
+        if kept is None:
+            kept = self.__dict__.get("_bucket_kept", {}).get(layout.keys)
+            if kept is None:
+                raise ValueError(f"{self.name} sends a data-dependent number of elements; pass kept=")
+        return 16 + 8 * len(layout) + kept * index_dtype(layout.numel + 1).itemsize
