@@ -19,6 +19,9 @@ CASES = [(name, {}) for name in BUCKETED] + [
     ("fp16", {"feedback": "residual"}), ("bf16", {"feedback": "residual"}), ("topk", {"ratio": 0.3}),
     ("topk", {"ratio": 0.9}), ("topk", {"value_dtype": "float16"}), ("topk", {"feedback": "none"}),
     ("efsignsgd", {"feedback": "none"}),
+    ("signsgd", {"scaled": False}), ("signsgd", {"zeros": "plus"}), ("signsgd", {"scaled": False, "zeros": "plus"}),
+    ("signsgd", {"feedback": "residual"}), ("signum", {"zeros": "plus"}), ("signum", {"scaled": False, "zeros": "plus"}),
+    ("signum", {"beta": 0.5, "feedback": "residual"}), ("onebit", {"feedback": "none"}),
     ("randomk", {"ratio": 0.9, "unbiased": True}), ("randomk", {"ratio": 0.5, "value_dtype": "float16"}),
     ("threshold", {"tau": 1.5}), ("threshold", {"tau": 1.0, "value_dtype": "float16"}),
     ("threshold", {"tau": 1.0, "feedback": "none"}), ("dropping", {"drop_ratio": 0.5, "sample_ratio": 0.25}),
@@ -26,7 +29,7 @@ CASES = [(name, {}) for name in BUCKETED] + [
 IDS = [f"{name}-{'-'.join(f'{k}={v}' for k, v in params.items()) or 'default'}" for name, params in CASES]
 #: Methods whose per-tensor quantities are float sums (a scale, a norm): equal to the per-tensor route
 #: up to the order of those sums, not bit for bit.
-SUM_ORDER = {"efsignsgd", "adaptive_threshold"}
+SUM_ORDER = {"efsignsgd", "adaptive_threshold", "signsgd", "signum"}
 #: Methods that draw at random: the bucket route draws by counter (kernels.counter_uniforms), the
 #: per-tensor route from a generator per tensor, so the two are compared in expectation instead.
 RANDOM = {name for name in BUCKETED if not make(name).deterministic}

@@ -14,18 +14,22 @@ Two sign codes:
 
 All payloads are allgathered: signs are not summable.  Every rank decodes the gathered payloads in
 rank order, so all ranks compute bit-identical aggregates.
+
+On the bucket route (``bucket_exchange``) a whole DDP bucket's codes travel as one field, packed as
+above over the bucket's elements end to end, beside its per-tensor scales or column means.
 """
 from __future__ import annotations
 
 import functools
 import math
+import weakref
 from typing import Optional
 
 import torch
 
 from .. import kernels
 from ..bits import pack_bits, packed_nbytes, select, unpack_bits
-from .bucket import pack_signs, unpack_signs
+from .bucket import SizeClass, pack_signs, unpack_signs
 from .base import (AllGather, Exchanged, GatheredCompressor, TensorContext, chunked_sum, column_counts, compare,
                    packed_codes, workspace)
 from .registry import register
@@ -274,6 +278,14 @@ def _trit_vote_planes(out, inv_powers, scale, *packed):
     return out.copy_(torch.sign(count) * scale)
 
 
+# -- the bucket route's shared pieces ----------------------------------------------------------------------
+
+
+def _scaled_signs(scales: torch.Tensor, packed: torch.Tensor, layout) -> torch.Tensor:
+    """One rank's per-tensor scale times the +-1 signs of its packed bits, over the whole bucket (flat)."""
+    return unpack_signs(packed, layout.numel).mul_(layout.per_element(scales))
+
+
 def _bits_bytes(ctx: TensorContext) -> int:
     return packed_nbytes(ctx.shape.numel(), 1)
 
@@ -367,6 +379,67 @@ class OneBit(GatheredCompressor):
     def payload_bytes(self, ctx, kept=None):
         return 8 * self.matrix_shape(ctx.shape)[1] + _bits_bytes(ctx)
 
+    bucketed = True
+
+    def bucket_exchange(self, p, b):
+        """Per tensor, as :meth:`exchange`: M its matrix view, a_j and b_j the means of column j's
+        elements >= 0 and < 0, computed for all tensors of one matrix shape at once (stacked, k x rows x
+        cols); each element decodes to its column's a_j (bit 1) or b_j.  Wire: the bucket's a's, then its
+        b's, fp32, 8 bytes per column of its non-empty tensors, and its bits together, ceil(n / 8)."""
+        layout, world = b.layout, b.world_size
+        groups, columns, index = _columns(layout)
+        pos_means, neg_means = [], []
+        for size, rows, cols in groups:
+            M = layout.rows(p, size).view(-1, rows, cols)
+            pos = M >= 0
+            count = pos.sum(dim=1, dtype=torch.int32)
+            pos_means.append((torch.where(pos, M, 0.0).sum(dim=1) / count.clamp(min=1)).reshape(-1))
+            neg_means.append((torch.where(pos, 0.0, M).sum(dim=1) / (rows - count).clamp(min=1)).reshape(-1))
+        means = torch.cat(pos_means + neg_means) if groups else p.new_empty(0)  # a bucket of empty tensors
+        gathered = yield AllGather((means, pack_signs(p)))
+
+        def decoded(fields):
+            pos_mean, neg_mean = torch.index_select(fields[0].view(2, columns), 1, index)
+            return torch.where(unpack_signs(fields[1], layout.numel) > 0, pos_mean, neg_mean)
+
+        total = decoded(gathered[0])
+        for fields in gathered[1:]:  # rank order, as exchange() adds the decoded tensors
+            total += decoded(fields)
+        own = gathered[b.rank]
+        return Exchanged(total.div_(world), lambda: decoded(own))
+
+    def bucket_payload_bytes(self, layout):
+        return 8 * _columns(layout)[1] + packed_nbytes(layout.numel, 1)
+
+
+#: Per bucket layout, 1-bit SGD's columns (see :func:`_columns`), built once.
+_COLUMNS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _columns(layout) -> tuple:
+    """1-bit SGD's columns of a bucket: (groups, columns, index).  ``groups``: the non-empty tensors of
+    one matrix shape, as (SizeClass, rows, cols); ``columns``: their number of columns in all, in group
+    order, a group's members one after another; ``index``: per element of the bucket, its column's
+    place in that order (on the device).  Built by a loop over the tensors, once per layout."""
+    cached = _COLUMNS.get(layout)
+    if cached is not None:
+        return cached
+    groups, index, columns = [], torch.zeros(layout.numel, dtype=torch.int64), 0
+    for size in layout.classes:
+        shapes: dict = {}
+        for i in size.members:
+            shapes.setdefault(OneBit.matrix_shape(layout.shapes[i]), []).append(i)
+        for (rows, cols), members in shapes.items():
+            starts = torch.tensor([layout.offsets[i] for i in members], dtype=torch.int64, device=layout.device)
+            groups.append((SizeClass(size.numel, tuple(members), starts), rows, cols))
+            within = torch.arange(size.numel) % cols
+            for j, i in enumerate(members):
+                index[layout.offsets[i]:layout.offsets[i] + size.numel] = columns + j * cols + within
+            columns += len(members) * cols
+    dtype = torch.int32 if columns < 2**31 else torch.int64
+    cached = _COLUMNS[layout] = (tuple(groups), columns, index.to(device=layout.device, dtype=dtype))
+    return cached
+
 
 class _SignVote(GatheredCompressor):
     """signSGD's protocol: allgather each worker's signs (and scale), aggregate by majority vote.
@@ -441,6 +514,51 @@ class _SignVote(GatheredCompressor):
     def payload_bytes(self, ctx, kept=None):
         n = ctx.shape.numel()
         return 4 * self.scaled + (trits_nbytes(n) if self.ternary else packed_nbytes(n, 1))
+
+    bucketed = True
+
+    def bucket_signs_of(self, p: torch.Tensor, b) -> torch.Tensor:
+        """:meth:`signs_of` for a whole bucket (flat): the input itself for signSGD."""
+        return p
+
+    def bucket_exchange(self, p, b):
+        """Per tensor i, as :meth:`exchange`: each rank r sends the signs of y_r (the input; Signum: its
+        momentum) and, if ``scaled``, s_ri = ||y_ri||_1 / n_i by one segmented sum; the aggregate is
+        V = sign(sum_r sign(y_r)) elementwise (ties 0), times s_i = mean_r s_ri over tensor i's elements.
+        Wire: the bucket's codes in one field, ceil(n / 5) bytes (ternary) or ceil(n / 8) (one bit) for
+        the bucket's n, plus 4 bytes per tensor if ``scaled``."""
+        layout, n = b.layout, b.layout.numel
+        y = self.bucket_signs_of(p, b)
+        codes = encode_trits(y) if self.ternary else pack_signs(y)
+        scales = layout.segment_sum(y.abs()).div_(layout.lengths.clamp(min=1)) if self.scaled else None
+        gathered = yield AllGather((codes,) if scales is None else (scales, codes))
+        if self.ternary:
+            vote = vote_of_trits([f[-1] for f in gathered], (n,), torch.empty(n, dtype=torch.float32, device=p.device))
+        else:  # sum_r (+-1) is an exact integer: its sign is the majority
+            vote = unpack_signs(gathered[0][-1], n)
+            for fields in gathered[1:]:
+                vote += unpack_signs(fields[-1], n)
+            vote.sign_()
+        bound = torch.ones((), device=p.device)  # votes are -1, 0 or +1: |s V| <= max_i |s_i|
+        if scales is not None:
+            s = gathered[0][0].clone()
+            for fields in gathered[1:]:  # rank order, as exchange() sums the scales
+                s += fields[0]
+            s.div_(b.world_size)
+            vote.mul_(layout.per_element(s))
+            bound = s.abs().amax()  # NaN propagates: a non-finite input poisons the step
+        own = gathered[b.rank]
+        return Exchanged(vote, lambda: self._bucket_sent(own, layout), bound=bound)
+
+    def _bucket_sent(self, fields, layout) -> torch.Tensor:
+        """This rank's contribution as the receivers read it, s_ri * sign(y_r) (or sign(y_r)), flat."""
+        codes, n = fields[-1], layout.numel
+        signs = decode_trits(codes, n).float() if self.ternary else unpack_signs(codes, n)
+        return signs.mul_(layout.per_element(fields[0])) if self.scaled else signs
+
+    def bucket_payload_bytes(self, layout):
+        n = layout.numel
+        return 4 * self.scaled * len(layout) + (trits_nbytes(n) if self.ternary else packed_nbytes(n, 1))
 
 
 @register
@@ -518,6 +636,15 @@ class Signum(_SignVote):
         ctx.set(self.state_key, m)
         return m
 
+    bucket_state = (state_key,)
+
+    def bucket_signs_of(self, p, b):
+        """m = beta * m + (1 - beta) * p over the whole bucket (float32), rounded as :meth:`signs_of`."""
+        m = b.get(self.state_key)
+        m = torch.mul(p, 1 - self.beta) if m is None else torch.mul(m, self.beta).add_(torch.mul(p, 1 - self.beta))
+        b.set(self.state_key, m)
+        return m
+
 
 @register
 class EFSignSGD(GatheredCompressor):
@@ -589,12 +716,11 @@ class EFSignSGD(GatheredCompressor):
         gathered = yield AllGather((scales, pack_signs(p)))
         total = None
         for scale, packed in gathered:  # rank order, as exchange() sums the ranks' deltas
-            delta = unpack_signs(packed, layout.numel).mul_(layout.per_element(scale))
+            delta = _scaled_signs(scale, packed, layout)
             total = delta if total is None else total.add_(delta)
         own = gathered[b.rank]
         bound = torch.stack([scale.abs().amax() if scale.numel() else scale.new_zeros(()) for scale, _ in gathered]).sum()
-        return Exchanged(total.div_(b.world_size), lambda: unpack_signs(own[1], layout.numel).mul_(layout.per_element(own[0])),
-                         bound=bound)
+        return Exchanged(total.div_(b.world_size), lambda: _scaled_signs(*own, layout), bound=bound)
 
     def bucket_payload_bytes(self, layout):
         return 4 * len(layout) + packed_nbytes(layout.numel, 1)
