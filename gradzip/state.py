@@ -212,6 +212,9 @@ class GradzipState:
         #: (``register``: DDP's; else the default group when this state averages over it).
         self.param_names: Optional[dict] = None
         self.dense_group: Optional[dist.ProcessGroup] = None
+        #: The DDP hook's buckets that are one plain allreduce for ever (:meth:`always_plain_dtype`), by
+        #: (bucket index, buffer address, size): their keys, element count, element size and wire dtype.
+        self.always_plain: dict = {}
         _LIVE.add(self)
         _install_teardown()
         if transport is None and dist.is_available() and dist.is_initialized():
@@ -462,6 +465,30 @@ class GradzipState:
             wire.add(self.compressor.allreduce_dtype(ctx))
         return wire.pop() if len(wire) == 1 and None not in wire else None
 
+    def always_plain_dtype(self, dtype: torch.dtype) -> Optional[torch.dtype]:
+        """:meth:`plain_allreduce_dtype` of every exchange of gradients of ``dtype``, for ever (none, and
+        fp16 and bf16 without feedback, ungrouped); None where it may change with the step or state."""
+        if self.group_vectors_below or not isinstance(_feedback.scheme_of(self.compressor), _feedback.NoFeedback):
+            return None
+        return self.compressor.always_plain(dtype, self.world_size)
+
+    def record_plain(self, keys: tuple, elements: int, element_bytes: int, wire: torch.dtype) -> None:
+        """:meth:`record_dense` for a bucket of ``keys`` that :meth:`always_plain_dtype` allowed, from its
+        element count and its gradients' element size: no pass over its tensors."""
+        self.compressor.observe_step(keys, time.perf_counter())
+        t = self.totals
+        t["exchanges"] += 1
+        t["collectives"] += 1
+        t["plain_allreduces"] += 1
+        t["payload_bytes"] += elements * wire.itemsize
+        t["wire_bytes"] += elements * wire.itemsize
+        t["dense_bytes"] += elements * element_bytes
+        t["elements"] += elements
+        t["elements_sent"] += elements
+        steps = self.steps
+        for key in keys:
+            steps[key] = steps.get(key, 0) + 1
+
     def record_dense(self, named_grads: Sequence[tuple[str, torch.Tensor]], dtype: Optional[torch.dtype] = None) -> None:
         """Count an exchange that :meth:`plain_allreduce_dtype` allowed and the integration did itself,
         in ``dtype`` (default: the gradients' own).  The compressor still observes the step: auto clocks
@@ -544,6 +571,9 @@ class GradzipState:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(device))
         fut: torch.futures.Future = torch.futures.Future(devices=[device] if device is not None else None)
+        if device is not None and self._worker is None and self._issues_inline(named_grads):
+            self._run_job(list(named_grads), out, done, fut, device, ready, time.perf_counter())
+            return fut
         with self._lock:
             if self._closed:
                 raise RuntimeError("this GradzipState is closed (state.close(), the end of its `with` block, "
@@ -563,19 +593,26 @@ class GradzipState:
             job = self._jobs.get()
             if job is None:
                 return
-            named, out, done, fut, device, ready, submitted = job
-            aggregates = None
-            try:
-                with self._stream_for(device, ready):
-                    started = time.perf_counter()
-                    aggregates = self.exchange(named, out)
-                    report = self.last_report
-                    self.record_bucket(named, exchanges=1, queued_s=started - submitted, compress_s=report.compress_s,
-                                       communicate_s=report.communicate_s, decompress_s=report.decompress_s)
-                    fut.set_result(done(aggregates))
-            except BaseException as exc:  # handed to the waiting training loop
-                fut.set_exception(exc)
-            del job, named, out, done, fut, ready, aggregates  # hold no tensor while waiting for the next job
+            self._run_job(*job)
+            del job  # hold no tensor while waiting for the next job
+
+    def _run_job(self, named, out, done, fut, device, ready, submitted) -> None:
+        try:
+            with self._stream_for(device, ready):
+                started = time.perf_counter()
+                aggregates = self.exchange(named, out)
+                report = self.last_report
+                self.record_bucket(named, exchanges=1, queued_s=started - submitted, compress_s=report.compress_s,
+                                   communicate_s=report.communicate_s, decompress_s=report.decompress_s)
+                fut.set_result(done(aggregates))
+        except BaseException as exc:  # handed to the waiting training loop
+            fut.set_exception(exc)
+
+    def _issues_inline(self, named_grads) -> bool:
+        """Whether a CUDA bucket's exchange is issued from the caller's thread (DDP's hook) on the
+        state's side stream instead of the communication thread: possible where the bucket route
+        applies, since it never waits for the device (GRADZIP_ISSUE=inline|thread; thread by default)."""
+        return os.environ.get("GRADZIP_ISSUE", "thread") == "inline" and self._takes_bucket_route(named_grads)
 
     def _stream_for(self, device, ready):
         """The communication thread's own CUDA stream for ``device``, after ``ready`` (CPU: nothing)."""
@@ -634,12 +671,16 @@ class GradzipState:
         """Add counts (``exchanges``, ``plain``, ``hook_s``, ``queued_s``, ``compress_s``, ...) to this
         bucket's line of :meth:`bucket_stats`."""
         keys = tuple(key for key, _ in named_grads)
+        self.record_bucket_of(keys, sum(g.numel() for _, g in named_grads), **counts)
+
+    def record_bucket_of(self, keys: tuple, elements: int, **counts: float) -> None:
+        """:meth:`record_bucket` for the bucket of ``keys`` holding ``elements`` elements."""
         with self._buckets_lock:  # the hook (backward's thread) and gradzip's thread both write here
             record = self._buckets.get(keys)
             if record is None:
                 record = self._buckets[keys] = {
                     "bucket": f"{keys[0]} .. {keys[-1]}" if len(keys) > 1 else keys[0], "tensors": len(keys),
-                    "elements": sum(g.numel() for _, g in named_grads), "exchanges": 0, "plain": 0,
+                    "elements": elements, "exchanges": 0, "plain": 0,
                     **dict.fromkeys(("hook_s", "queued_s", "compress_s", "communicate_s", "decompress_s"), 0.0)}
             for name, value in counts.items():
                 record[name] += value

@@ -44,6 +44,8 @@ def _train(rank, method, *, plain: bool, direct: bool = False, steps: int = 5, p
             opt.step()
     stats = state.stats()
     stats["buckets"] = state.bucket_stats()
+    stats["steps"] = dict(state.steps)
+    stats["always_plain"] = len(state.always_plain)  # buckets decided once for every step
     state.close()
     return _flat(model), stats, grads
 
@@ -64,6 +66,10 @@ def test_plain_path_equals_gradzips_exchange_bit_for_bit(method):
         assert plain[1]["plain_allreduces"] == plain[1]["exchanges"]  # every bucket took DDP's path
         assert direct[1]["plain_allreduces"] == direct[1]["exchanges"]  # also without register()
         assert own[1]["plain_allreduces"] == 0
+        # Decided at a bucket's first step, then without reading its tensors; the same step counts.
+        assert plain[1]["always_plain"] == len(plain[1]["buckets"]) > 1 and own[1]["always_plain"] == 0
+        assert plain[1]["steps"] == own[1]["steps"] and set(plain[1]["steps"].values()) == {5}
+        assert sorted(direct[1]["steps"].values()) == sorted(plain[1]["steps"].values())  # named param<i> there
         # Per bucket: every exchange counted once, on the path it took.
         for run, plain_share in ((plain, 1), (own, 0)):
             assert sum(b["exchanges"] for b in run[1]["buckets"]) == run[1]["exchanges"]
@@ -82,6 +88,7 @@ def test_half_casts_with_error_feedback_keep_gradzips_exchange():
     results = run_workers(compare_paths, 2, "fp16", {"feedback": "residual"})
     for plain, own, direct in results:
         assert plain[1]["plain_allreduces"] == direct[1]["plain_allreduces"] == 0  # a residual is kept
+        assert plain[1]["always_plain"] == 0
         assert torch.equal(plain[0], own[0])
 
 
@@ -132,3 +139,4 @@ def test_auto_runs_a_chosen_half_cast_without_feedback_on_ddps_path():
         plain_per_bucket = [b["plain"] for b in plain[1]["buckets"] if b["exchanges"] == 6]
         assert plain_per_bucket and all(n == 4 for n in plain_per_bucket)  # steps 3 to 6
         assert own[1]["plain_allreduces"] == 0
+        assert plain[1]["always_plain"] == 0  # auto's choice may change: decided step by step

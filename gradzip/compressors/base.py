@@ -336,6 +336,12 @@ class Compressor:
     def exchange(self, x: torch.Tensor, ctx: TensorContext) -> Exchange:
         raise NotImplementedError
 
+    def always_plain(self, dtype: torch.dtype, world_size: int) -> Optional[torch.dtype]:
+        """The dtype of the one plain allreduce that every exchange of gradients of ``dtype`` is, whatever
+        the step and the state (:meth:`allreduce_dtype` of every tensor, for ever); None (the default):
+        it may depend on them.  An integration may then decide once per bucket."""
+        return None
+
     #: True when the method implements :meth:`bucket_exchange`.
     bucketed: ClassVar[bool] = False
     #: The method's own state on the bucket route: names of float32 values with one element per

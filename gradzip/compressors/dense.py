@@ -51,6 +51,9 @@ class NoCompression(SummableCompressor):
     def payload_bytes(self, ctx, kept=None):
         return ctx.shape.numel() * ctx.dtype.itemsize
 
+    def always_plain(self, dtype, world_size):
+        return dtype if self.feedback == "none" else None
+
     bucketed = True
 
     def bucket_exchange(self, p, b):
@@ -88,6 +91,9 @@ class _HalfCast(SummableCompressor):
         # (11 significant bits in fp16, 8 in bf16) times N < 2^13 is exact in fp32, and so is dividing
         # it by N again.  So the half sum is the aggregate as it is: the owner's cast is exact.
         return Exchanged(total, lambda: self.decompress(payload, ctx))
+
+    def always_plain(self, dtype, world_size):
+        return self.allreduce_dtype(TensorContext(key="", shape=torch.Size(), dtype=dtype, world_size=world_size))
 
     def takes_bucket(self, world_size):
         return world_size < 2**13  # see exchange: the half sum is then the mean exactly

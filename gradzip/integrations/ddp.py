@@ -79,12 +79,24 @@ def ddp_comm_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures
         raise TypeError(f"gradzip.ddp_comm_hook needs a gradzip.GradzipState as its state, got {type(state).__name__}")
     start = time.perf_counter()
     state.transport  # connect now (a state built before init_process_group): its dense group is then known
+    buffer = bucket.buffer()
+    # A bucket that is one plain allreduce for ever (none; fp16 and bf16 without feedback) is decided
+    # once: later steps touch none of its tensors in Python (some 100 per bucket in a transformer).
+    cached = state.always_plain.get((bucket.index(), buffer.data_ptr(), buffer.numel()))
+    if cached is not None and state.dense_group is not None:
+        keys, elements, element_bytes, wire = cached
+        state.record_plain(keys, elements, element_bytes, wire)
+        fut = _plain_allreduce(buffer, wire, state.dense_group)
+        state.record_bucket_of(keys, elements, exchanges=1, plain=1, hook_s=time.perf_counter() - start)
+        return fut
     grads = bucket.gradients()
     named = list(zip(_names(state, bucket.parameters()), grads))
-    buffer = bucket.buffer()
     dense_group = state.dense_group
     wire = state.plain_allreduce_dtype(named) if dense_group is not None else None
     if wire is not None:
+        if state.always_plain_dtype(buffer.dtype) == wire:
+            state.always_plain[(bucket.index(), buffer.data_ptr(), buffer.numel())] = (
+                tuple(key for key, _ in named), sum(g.numel() for g in grads), buffer.element_size(), wire)
         state.record_dense(named, wire)
         fut = _plain_allreduce(buffer, wire, dense_group)
         state.record_bucket(named, exchanges=1, plain=1, hook_s=time.perf_counter() - start)
