@@ -1,6 +1,7 @@
 """SparseLoCo's outer compressor: chunked Top-k of a decaying error-feedback accumulator, 2-bit values."""
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -76,22 +77,29 @@ class SparseLoCo(Compressor):
         """(fp32 levels [lo, hi per chunk], packed 2-bit codes, chunk-local indices) of the flat fp32 ``flat``."""
         levels, codes, positions = [], [], []
         for start, rows, width, k in self.blocks(flat.numel()):
-            block = flat[start:start + rows * width].view(rows, width)
-            magnitudes = workspace("sparseloco.abs", block.numel(), block.dtype, block.device).view(rows, width)
-            local = torch.topk(torch.abs(block, out=magnitudes), k, dim=1, sorted=False).indices
-            values = block.gather(1, local)
-            magnitude = values.abs()
-            large = magnitude > magnitude.sum(dim=1, keepdim=True) / max(k, 1)
-            zero = magnitude.new_zeros(())
-            n_large = large.sum(dim=1)
-            # A selection, not magnitude * large: inf * 0 would be NaN.
-            hi = torch.where(large, magnitude, zero).sum(dim=1) / n_large.clamp(min=1)
-            lo = torch.where(large, zero, magnitude).sum(dim=1) / (k - n_large).clamp(min=1)
-            levels.append(torch.stack([lo, hi], dim=1).reshape(-1))
-            codes.append((large.to(torch.uint8) * 2 + (values < 0)).reshape(-1))
+            level, code, local = self.encode_rows(flat[start:start + rows * width].view(rows, width), k)
+            levels.append(level)
+            codes.append(code)
             positions.append(local.reshape(-1))
         idx = torch.cat(positions).to(self.index_dtype(flat.numel()))
         return torch.cat(levels).float(), pack_bits(torch.cat(codes), 2), idx
+
+    @staticmethod
+    def encode_rows(block: torch.Tensor, k: int) -> tuple:
+        """C of each row of ``block`` (rows, width), a chunk each, keeping k: (levels lo, hi per row
+        (flat), the rows' 2-bit codes one per byte (flat), the kept chunk-local indices (rows, k))."""
+        rows, width = block.shape
+        magnitudes = workspace("sparseloco.abs", block.numel(), block.dtype, block.device).view(rows, width)
+        local = torch.topk(torch.abs(block, out=magnitudes), k, dim=1, sorted=False).indices
+        values = block.gather(1, local)
+        magnitude = values.abs()
+        large = magnitude > magnitude.sum(dim=1, keepdim=True) / max(k, 1)
+        zero = magnitude.new_zeros(())
+        n_large = large.sum(dim=1)
+        # A selection, not magnitude * large: inf * 0 would be NaN.
+        hi = torch.where(large, magnitude, zero).sum(dim=1) / n_large.clamp(min=1)
+        lo = torch.where(large, zero, magnitude).sum(dim=1) / (k - n_large).clamp(min=1)
+        return torch.stack([lo, hi], dim=1).reshape(-1), (large.to(torch.uint8) * 2 + (values < 0)).reshape(-1), local
 
     def decode(self, fields: tuple, n: int) -> tuple:
         """(unique int64 positions in the flattened tensor, float32 values) of one rank's payload."""
@@ -130,3 +138,93 @@ class SparseLoCo(Compressor):
         flat.index_add_(0, own[0], own[1], alpha=-1)  # e = e - D(C(e)), only where something was sent
         ctx.set(self.state_key, e)
         return Exchanged(total.div_(len(gathered)).view(ctx.shape), sparse=own)
+
+    # -- the bucket route ---------------------------------------------------------------------------------
+    bucketed = True
+    bucket_state = (state_key,)
+
+    def bucket_blocks(self, p: torch.Tensor, layout) -> list:
+        """The bucket's chunks as blocks of rows of one width: per size class its full chunks, then its
+        tensors' shorter last chunks: (rows (R, width) of ``p``, each row's start in the bucket (R,), k)."""
+        blocks = []
+        for size in layout.classes:
+            full, rest = divmod(size.numel, self.chunk)
+            rows = layout.rows(p, size)
+            for start, width, count in ((0, self.chunk, full), (full * self.chunk, rest, int(rest > 0))):
+                if count:
+                    at = size.starts.view(-1, 1) + start + width * torch.arange(count, device=p.device)
+                    block = rows[:, start:start + count * width].reshape(-1, width)
+                    blocks.append((block, at.view(-1), self.kept_of(width)))
+        return blocks
+
+    def bucket_index_dtype(self, layout) -> torch.dtype:
+        return index_dtype(min(self.chunk, max(layout.numels, default=0)))
+
+    def bucket_exchange(self, p, b):
+        """e = beta e + p and C(e) as in :meth:`exchange`, each chunk of each tensor a row: one topk per
+        size class for its tensors' full chunks and one for their last, shorter ones.  Wire: the
+        bucket's chunks' levels (fp32 lo, hi each), its K codes packed four per byte by tensor
+        operations, and K chunk-local indices in the smallest dtype that addresses min(chunk, the
+        largest tensor's n) positions."""
+        layout = b.layout
+        old = b.get(self.state_key)
+        e = torch.clone(p) if old is None else torch.mul(old, self.decay).add_(p)
+        blocks = self.bucket_blocks(e, layout)
+        encoded = [self.encode_rows(block, k) for block, _, k in blocks]
+        empty = e.new_empty(0)
+        levels = torch.cat([lv for lv, _, _ in encoded]) if encoded else empty
+        codes = torch.cat([c for _, c, _ in encoded]) if encoded else empty.to(torch.uint8)
+        local = torch.cat([i.reshape(-1) for _, _, i in encoded]) if encoded else empty.long()
+        gathered = yield AllGather((levels, _pack2(codes), local.to(self.bucket_index_dtype(layout))))
+        total = torch.zeros(layout.numel, dtype=torch.float32, device=p.device)
+        own = None
+        for rank, fields in enumerate(gathered):  # rank order: identical float sums on every rank
+            idx, values = self.bucket_decode(fields, blocks, codes.numel())
+            total.index_add_(0, idx, values)
+            if rank == b.rank:
+                own = (idx, values)
+        e.index_add_(0, own[0], own[1], alpha=-1)  # e = e - D(C(e)), only where something was sent
+        b.set(self.state_key, e)
+        return Exchanged(total.div_(b.world_size), sparse=own)
+
+    def bucket_decode(self, fields: tuple, blocks: list, kept: int) -> tuple:
+        """(unique int64 positions in the bucket, float32 values) of one rank's bucket payload."""
+        levels, packed, idx = fields
+        codes = _unpack2(packed, kept).long()
+        levels = levels.view(-1, 2)
+        positions, values = [], []
+        row = at = 0
+        for block, starts, k in blocks:
+            rows = block.shape[0]
+            c = codes[at:at + rows * k].view(rows, k)
+            magnitude = levels[row:row + rows].gather(1, c >> 1)
+            values.append(torch.where((c & 1).bool(), -magnitude, magnitude).reshape(-1))
+            positions.append((idx[at:at + rows * k].view(rows, k).long() + starts.view(-1, 1)).reshape(-1))
+            row, at = row + rows, at + rows * k
+        if not positions:
+            return idx.long(), levels.new_empty(0)
+        return torch.cat(positions), torch.cat(values)
+
+    def bucket_payload_bytes(self, layout):
+        chunks = sum(-(-n // self.chunk) for n in layout.numels)
+        k = sum(self.kept(n) for n in layout.numels)
+        return 8 * chunks + packed_nbytes(k, 2) + k * self.bucket_index_dtype(layout).itemsize
+
+
+def _pack2(codes: torch.Tensor) -> torch.Tensor:
+    """2-bit codes (uint8, < 4) packed four per byte, the first in the lowest bits (as
+    :func:`gradzip.bits.pack_bits`), by tensor operations alone."""
+    n = codes.numel()
+    padded = torch.zeros(-(-n // 4) * 4, dtype=torch.uint8, device=codes.device)
+    padded[:n] = codes
+    return (padded.view(-1, 4) << _shifts2(codes.device)).sum(dim=1, dtype=torch.uint8)
+
+
+def _unpack2(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of :func:`_pack2`: the first n codes (uint8)."""
+    return ((packed.unsqueeze(1) >> _shifts2(packed.device)) & 3).view(-1)[:n]
+
+
+@functools.lru_cache(maxsize=8)
+def _shifts2(device: torch.device) -> torch.Tensor:
+    return torch.arange(0, 8, 2, dtype=torch.uint8, device=device)
