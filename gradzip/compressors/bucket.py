@@ -84,8 +84,10 @@ class BucketLayout:
 
     def segment_sum(self, values: torch.Tensor) -> torch.Tensor:
         """Per tensor, the float32 sum of its elements of the flat ``values`` (0 for an empty tensor)."""
+        # unsafe: the lengths are the layout's own, so their checks, which read them back from the
+        # device (a host sync on CUDA), are skipped
         return torch.segment_reduce(values.float() if values.dtype != torch.float32 else values, "sum",
-                                    lengths=self.lengths)
+                                    lengths=self.lengths, unsafe=True)
 
     def per_element(self, per_tensor: torch.Tensor) -> torch.Tensor:
         """A per-tensor quantity repeated over each tensor's elements: a flat tensor of ``numel``."""
