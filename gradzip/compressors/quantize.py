@@ -3,11 +3,17 @@
 All three methods here are unbiased, so they need no error feedback (``default_feedback = "none"``).
 Their rounding noise comes from ``ctx.generator(shared=False)``: independent on every worker, so it
 averages out across workers instead of adding up.  Codes are packed densely with :mod:`gradzip.bits`.
+
+On the bucket route (``bucket_exchange``) the same per-tensor quantisers run on a whole bucket at once:
+per-tensor (QSGD: per-chunk) scales by segmented reductions, draws by counter
+(``BucketContext.uniforms(..., shared=False)``), and the bucket's codes packed together by tensor
+operations (:func:`_pack_codes`, the layout of :func:`gradzip.bits.pack_bits`).
 """
 from __future__ import annotations
 
 import functools
 import math
+import weakref
 from typing import Optional
 
 import torch
@@ -106,6 +112,61 @@ def _check_int(name: str, value, lo: int, hi: Optional[int] = None) -> int:
         allowed = f"an integer in {lo}..{hi}" if hi is not None else f"an integer >= {lo}"
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
     return value
+
+
+@functools.lru_cache(maxsize=32)
+def _code_shifts(bits: int, device: torch.device) -> torch.Tensor:
+    """The shift of each of a byte's 8 // bits codes, first code lowest (uint8)."""
+    return torch.arange(0, 8, bits, dtype=torch.uint8, device=device)
+
+
+def _pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """The flat integer ``codes`` (each below 2^bits) packed as :func:`gradzip.bits.pack_bits` packs them
+    (code i in bits [i*bits, (i+1)*bits), little-endian), ceil(n * bits / 8) bytes, by tensor
+    operations alone (no numpy, no host read): 8 // bits codes a byte where that divides, else a
+    stream of single bits."""
+    device = codes.device
+    if 8 % bits:
+        planes = torch.arange(bits, dtype=torch.int32, device=device)
+        codes, bits = ((codes.to(torch.int32).unsqueeze(1) >> planes) & 1).view(-1), 1
+    n, per = codes.numel(), 8 // bits
+    padded = torch.zeros(-(-n // per) * per, dtype=torch.uint8, device=device)
+    padded[:n] = codes
+    return (padded.view(-1, per) << _code_shifts(bits, device)).sum(dim=1, dtype=torch.uint8)
+
+
+def _unpack_codes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Inverse of :func:`_pack_codes`: the first n codes (uint8 where 8 % bits == 0, else int32)."""
+    device = packed.device
+    if 8 % bits == 0:
+        return ((packed.unsqueeze(1) >> _code_shifts(bits, device)) & ((1 << bits) - 1)).view(-1)[:n]
+    stream = ((packed.unsqueeze(1) >> _code_shifts(1, device)) & 1).view(-1)[:n * bits]
+    planes = torch.arange(bits, dtype=torch.int32, device=device)
+    return (stream.view(n, bits).to(torch.int32) << planes).sum(dim=1, dtype=torch.int32)
+
+
+def _segment(values: torch.Tensor, reduce: str, lengths: torch.Tensor) -> torch.Tensor:
+    """Per segment of the flat float32 ``values`` (``lengths``: a layout's device tensor, valid by
+    construction), its ``reduce`` ("sum" or "max"), 0 for an empty segment.  ``unsafe=True`` skips
+    segment_reduce's checks of the lengths, which read them from the device (a host sync on CUDA)."""
+    return torch.segment_reduce(values, reduce, lengths=lengths, unsafe=True, initial=0.0)
+
+
+#: QSGD's chunk lengths per bucket layout and chunk size (built once per layout; see _chunk_lengths).
+_CHUNKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _chunk_lengths(layout, size: int) -> torch.Tensor:
+    """The lengths of a bucket's QSGD chunks on its device: each tensor cut into chunks of ``size``
+    elements, its last one shorter, none for an empty tensor.  Built on the host once per layout."""
+    cached = _CHUNKS.setdefault(layout, {})
+    if size not in cached:
+        numels = torch.tensor(layout.numels, dtype=torch.int64)
+        full, tail = numels // size, numels % size
+        lengths = torch.stack([torch.full_like(full, size), tail], 1).view(-1)
+        counts = torch.stack([full, (tail > 0).long()], 1).view(-1)
+        cached[size] = lengths.repeat_interleave(counts).to(layout.device)
+    return cached[size]
 
 
 def qsgd_reference(x: torch.Tensor, s: int, u: torch.Tensor, bucket_size: int = 512,
@@ -355,6 +416,52 @@ class QSGD(GatheredCompressor):
         n = ctx.shape.numel()
         return 4 * self._buckets(n) + packed_nbytes(n, self._bits)
 
+    bucketed = True
+
+    def bucket_exchange(self, p, b):
+        """Per tensor, Q_s of :meth:`compress`: each tensor cut into chunks v of ``bucket_size`` elements
+        (its last one shorter), ||v|| for every chunk of the bucket by one segmented reduction, then per
+        element xi = floor(r) + [u < r - floor(r)] with r = |v_i| s / ||v|| and u drawn by counter,
+        independently on each rank.  The aggregate is the mean over ranks of ||v|| sign(v_i) xi / s,
+        summed in rank order.  Wire (allgathered): the bucket's chunk norms (fp32), then its n codes
+        of ceil(log2(s+1)) + 1 bits (as :meth:`compress`'s) packed together:
+        4 * chunks + ceil(n * bits / 8) bytes."""
+        layout, s, n = b.layout, self.levels, b.layout.numel
+        lengths = _chunk_lengths(layout, self.bucket_size)
+        ratio = p.abs()
+        if not n:  # no chunk (segment_reduce takes no empty lengths)
+            norms = p.new_zeros(0)
+        elif self.norm == "l2":
+            norms = _segment(ratio.square(), "sum", lengths).sqrt_()
+        else:
+            norms = _segment(ratio, "max", lengths)
+        scale = torch.where(norms > 0, s / norms, 0.0)  # s / ||v|| per chunk
+        ratio.mul_(scale.repeat_interleave(lengths, output_size=n))  # |v_i| s / ||v||, in [0, s]
+        up = b.uniforms(n, shared=False, salt="qsgd") < torch.frac(ratio)
+        # Integer clamp: float rounding may push the ratio a hair above s (and NaN becomes 0 here).
+        codes = ratio.floor_().add_(up).to(torch.int32).clamp_(0, s).mul_(2).add_(p < 0)
+        packed = _pack_codes(codes, self._bits)
+        gathered = yield AllGather((norms, packed))
+        total = None
+        for fields in gathered:  # rank order: the same floats on every rank
+            value = self._bucket_decoded(fields, lengths, n)
+            total = value if total is None else total.add_(value)
+        # |Q_i| <= ||v||: the mean is at most the sum over ranks of each one's largest norm
+        bound = torch.stack([f[0].abs().amax() for f in gathered]).sum() if norms.numel() else None
+        return Exchanged(total.div_(b.world_size), lambda: self._bucket_decoded((norms, packed), lengths, n),
+                         bound=bound)
+
+    def _bucket_decoded(self, fields, lengths: torch.Tensor, n: int) -> torch.Tensor:
+        """Q of one rank's bucket payload: (sign * xi) * (||v|| / s), flat float32."""
+        norms, packed = fields
+        codes = _unpack_codes(packed, self._bits, n)
+        value = (codes >> 1).float().mul_((codes & 1).float().mul_(-2).add_(1))  # 0 with the sign bit: -0.0
+        return value.mul_((norms.float() / self.levels).repeat_interleave(lengths, output_size=n))
+
+    def bucket_payload_bytes(self, layout):
+        chunks = sum(math.ceil(n / self.bucket_size) for n in layout.numels)
+        return 4 * chunks + packed_nbytes(layout.numel, self._bits)
+
 
 def _terngrad_codes(g, bound, s, draws):
     """TernGrad's codes t + 1 of clip(g) (as :meth:`TernGrad._codes`, u from ``draws``), int32."""
@@ -493,12 +600,53 @@ class TernGrad(Compressor):
     def payload_bytes(self, ctx, kept=None):
         return 4 + packed_nbytes(ctx.shape.numel(), 2)
 
+    bucketed = True
+
+    def bucket_exchange(self, p, b):
+        """Per tensor, as :meth:`exchange`: sigma_i (root mean square) by one segmented sum of squares,
+        clip to [-c sigma_i, c sigma_i], s_local_i = max|clip(g_i)| by one segmented max; the bucket's
+        scalers max-reduced in one allreduce; t with P(t = sign(g)) = |g| / s_i from counter draws,
+        independent per rank; the aggregate s_i * mean_r(t_r), the ranks' trits summed in rank order.
+        Wire: one fp32 scaler per tensor (allreduced), then the bucket's n codes t + 1, 2 bits each,
+        packed together (allgathered): 4 * tensors + ceil(n / 4) bytes."""
+        layout, n = b.layout, b.layout.numel
+        g = p
+        if self.clip is not None:
+            sigma = layout.segment_sum(p.square()).div_(layout.lengths.clamp(min=1)).sqrt_()
+            bound = layout.per_element(sigma.mul_(self.clip))
+            g = torch.clamp(p, -bound, bound)
+        s_local = _segment(g.abs(), "max", layout.lengths)
+        s = yield AllReduce(s_local, op="max")
+        scale = layout.per_element(s)
+        # s == 0 means g == 0 in that tensor: the clamp turns 0/0 into probability 0 instead of NaN.
+        up = b.uniforms(n, shared=False, salt="terngrad") < g.abs().div_(scale.clamp_min(torch.finfo(torch.float32).tiny))
+        # t + 1 = 1 - up + 2 (up and g > 0), in {0, 1, 2}
+        codes = (g > 0).logical_and_(up).to(torch.uint8).mul_(2).add_(1).sub_(up.to(torch.uint8))
+        packed = _pack_codes(codes, 2)
+        gathered = yield AllGather((packed,))
+        total = None
+        for (got,) in gathered:  # trits in {-1, 0, 1}: exact sums
+            t = _unpack_codes(got, 2, n).float().sub_(1)
+            total = t if total is None else total.add_(t)
+        # N trits summed, times s: |sum| <= N max_i s_i, and the mean is at most that
+        return Exchanged(total.mul_(scale).div_(b.world_size),
+                         lambda: _unpack_codes(packed, 2, n).float().sub_(1).mul_(scale),
+                         bound=s.abs().amax() * b.world_size)
+
+    def bucket_payload_bytes(self, layout):
+        return 4 * len(layout) + packed_nbytes(layout.numel, 2)
+
 
 @kernels.fused
 def _natural_encode(flat, draws):
     """Natural compression's codes from the fp32 bit pattern (as :meth:`Natural.compress`, one loop, u
     from ``draws``)."""
-    u = kernels.uniforms_from(flat, draws)
+    return _natural_codes(flat, kernels.uniforms_from(flat, draws))
+
+
+def _natural_codes(flat, u):
+    """Natural compression's uint8 codes of the contiguous float32 ``flat`` given a uniform u_i per
+    element, read off the fp32 bit pattern: the same codes as :meth:`Natural.compress`."""
     bits = flat.view(torch.int32)
     biased = (bits >> 23) & 0xFF
     tiny = biased < 64
@@ -609,3 +757,22 @@ class Natural(GatheredCompressor):
 
     def payload_bytes(self, ctx, kept=None):
         return ctx.shape.numel()
+
+    bucketed = True
+
+    def bucket_exchange(self, p, b):
+        """Per element, as :meth:`compress`: the bucket's codes from its fp32 bit patterns, u drawn by
+        counter, independently on each rank; the aggregate the mean of the ranks' decoded values,
+        summed in rank order (NaN where any rank sent 0x80).  Wire: the bucket's n codes, one byte
+        each (allgathered): n bytes."""
+        codes = _natural_codes(p, b.uniforms(p.numel(), shared=False, salt="natural"))
+        gathered = yield AllGather((codes,))
+        values = _natural_values(p.device)
+        total = None
+        for (got,) in gathered:
+            value = torch.index_select(values, 0, got.to(torch.int32))
+            total = value if total is None else total.add_(value)
+        return Exchanged(total.div_(b.world_size), lambda: torch.index_select(values, 0, codes.to(torch.int32)))
+
+    def bucket_payload_bytes(self, layout):
+        return layout.numel
