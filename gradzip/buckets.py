@@ -67,7 +67,7 @@ class DeferredFlag:
         if not self.pending:
             return False
         self.pending = False
-        if self._event is not None:
+        if self._event is not None and not self._event.query():  # done long since, as a rule
             self._event.synchronize()
         # Read from host memory directly: on a CPU the flag is already there, on CUDA in pinned memory.
         return bool(ctypes.c_bool.from_address(self._host.data_ptr()).value)

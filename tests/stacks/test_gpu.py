@@ -105,7 +105,7 @@ def test_bucket_exchange_sync_debug(name, params):
             state.exchange(named, out=[g for _, g in named])
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    syncs = [w for w in caught if "called a synchronizing CUDA operation" in str(w.message)]
     assert len(syncs) <= (1 if name in DATA_SIZED else 0), [str(w.message) for w in syncs]
     torch.cuda.synchronize()
     assert all(torch.isfinite(g).all() for _, g in named)
