@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Optional
 
 import torch
 
-from .base import AllReduce, Compressor, Exchanged, TensorContext, check_ratio, workspace, zeroed
+from .base import AllReduce, Compressor, Exchanged, TensorContext, _stable_hash, check_ratio, workspace, zeroed
 from .registry import register
 from .sparse import top_k
 
@@ -40,6 +41,42 @@ def median_of_rows(a: torch.Tensor) -> torch.Tensor:
     return a[(rows - 1) // 2]
 
 
+#: Seeds are folded as in :meth:`BucketContext.draw_seed`: v = (v * _MIX + part) mod _PRIME.
+_MIX, _PRIME = 1_000_003, 2**31 - 1
+
+
+def row_seeds(seed: int, crcs: torch.Tensor, step: int, rows: int) -> torch.Tensor:
+    """int32 seeds (rows, *crcs.shape) of the hash rows of the tensors whose key hashes are ``crcs``
+    (int64, on the device): (seed, key, step, row) folded on the device, so that a bucket's tensors get
+    theirs without a copy from the host."""
+    v = (crcs + (seed % _PRIME) * _MIX) % _PRIME
+    v = (v * _MIX + step % _PRIME) % _PRIME
+    j = torch.arange(1, rows + 1, dtype=torch.int64, device=crcs.device).view(-1, *([1] * crcs.dim()))
+    return ((v * _MIX + j) % _PRIME).to(torch.int32)
+
+
+def sketch_draws(positions: torch.Tensor, seeds: torch.Tensor, cols, buffer=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bucket hashes h (int64, in [0, cols)) and signs s (float32, +-1) of the int32 ``positions`` in
+    their tensor under the int32 ``seeds`` (broadcast against them: one per hash row): the top 24 bits
+    of lowbias32(i xor seed) (as :func:`gradzip.kernels.counter_uniforms`) scaled to [0, cols), and
+    its lowest bit as the sign (1: +1).  ``cols`` a number or an int64 tensor broadcast likewise.
+    ``buffer(name, shape, dtype)`` gives the memory of the results, "buckets" and "signs", and of the
+    hash, "signed" (default: fresh tensors), all written in place: a fresh (rows, n) tensor costs a CPU
+    its page faults, and the hash's two int32 scratches are the float32 "signed" (which the caller
+    writes next) and "signs" (written last)."""
+    shape = torch.broadcast_shapes(positions.shape, seeds.shape)
+    buffer = buffer or (lambda name, shape, dtype: torch.empty(shape, dtype=dtype, device=positions.device))
+    x, t = (buffer(name, shape, torch.float32).view(torch.int32) for name in ("signed", "signs"))
+    torch.bitwise_xor(positions, seeds, out=x)
+    for shift, mask, factor in ((16, 0xFFFF, 0x7FEB352D), (15, 0x1FFFF, -0x7B935975), (16, 0xFFFF, None)):
+        x ^= torch.bitwise_right_shift(x, shift, out=t).bitwise_and_(mask)
+        if factor is not None:
+            x *= factor  # int32 products wrap modulo 2^32: the unsigned 32-bit hash
+    buckets = buffer("buckets", shape, torch.int64).copy_(torch.bitwise_right_shift(x, 8, out=t).bitwise_and_(0xFFFFFF))
+    signs = buffer("signs", shape, torch.float32).copy_(x.bitwise_and_(1))
+    return buckets.mul_(cols).bitwise_right_shift_(24), signs.mul_(2).sub_(1)
+
+
 @register
 class Sketch(Compressor):
     """Count sketch with heavy-hitter recovery (Ivkin, Rothchild, Ullah, Braverman, Stoica & Arora,
@@ -47,8 +84,9 @@ class Sketch(Compressor):
     FetchSGD).
 
     With R = ``rows`` hash rows of C = ceil(``width`` * k) buckets, k = ceil(ratio * n), bucket hashes
-    h_j(i) in [0, C) and signs s_j(i) in {-1, +1} drawn from a generator shared by every rank (same
-    seed, tensor and step, so the ranks' sketches are of one linear map S):
+    h_j(i) in [0, C) and signs s_j(i) in {-1, +1} drawn by a counter-based hash of (seed, tensor key,
+    step, row j, position i) (:func:`sketch_draws`), the same on every rank (so the ranks' sketches are
+    of one linear map S) and on either route (tensor by tensor, or a bucket at once):
 
         S(p)[j, c] = sum_{i: h_j(i) = c} s_j(i) p_i               (each worker, its error-fed p)
         T = allreduce(S(p_r)) = S(sum_r p_r)                        (sketches are linear)
@@ -95,13 +133,12 @@ class Sketch(Compressor):
         flat = x.reshape(-1).float()
         n = flat.numel()
         k, cols = self.sizes(ctx)
-        gen = ctx.generator(x.device, shared=True, salt="sketch")
-        # The (rows, n) tables live in buffers reused across steps; signs are drawn as float32 directly
-        # (the same values and generator state as int64 draws).
         shape = (self.rows, n)
-        buckets = torch.randint(cols, shape, generator=gen, out=ctx.buffer("buckets", shape, torch.int64, x.device))
-        signs = torch.randint(2, shape, generator=gen, out=ctx.buffer("signs", shape, torch.float32, x.device))
-        signs.mul_(2).sub_(1)
+        crc = torch.full((), _stable_hash(ctx.key + "/sketch"), dtype=torch.int64, device=x.device)
+        seeds = row_seeds(ctx.seed, crc, ctx.step, self.rows).view(self.rows, 1)
+        buckets, signs = sketch_draws(torch.arange(n, dtype=torch.int32, device=x.device), seeds, cols,
+                                      lambda name, shape, dtype: ctx.buffer(name, shape, dtype, x.device))
+        # The (rows, n) products live in a buffer reused across steps.
         signed = torch.mul(signs, flat, out=ctx.buffer("signed", shape, torch.float32, x.device))
         sketch = torch.zeros(self.rows, cols, dtype=torch.float32, device=x.device).scatter_add_(1, buckets, signed)
         total = yield AllReduce(sketch)
@@ -120,3 +157,75 @@ class Sketch(Compressor):
             return ctx.shape.numel() * ctx.dtype.itemsize
         k, cols = self.sizes(ctx)
         return (self.rows * cols + k) * 4
+
+    # -- the bucket route ---------------------------------------------------------------------------------
+    bucketed = True
+
+    def bucket_exchange(self, p, b):
+        """As :meth:`exchange` per tensor, size class by size class (the same draws, sketches, medians,
+        top-k and sums): each class's sketches (rows, members, C) from one scatter_add, its estimates'
+        medians over the rows and one topk over its members.  The tensors that are not compressed are
+        averaged densely, in fp32 (x / N summed) with the sketches, and keep no residual.  Wire: two
+        allreduces, (sum of R * C + the dense elements + K) * 4 bytes."""
+        layout, world = b.layout, b.world_size
+        drawn = [(size, self._class_sketch(p, b, size)) for size in layout.classes]
+        sketched = [(size, d) for size, d in drawn if d is not None]
+        dense_at = _positions([size.starts.view(-1, 1) + torch.arange(size.numel, device=p.device)
+                               for size, d in drawn if d is None], p.device)
+        dense_values = p.index_select(0, dense_at)
+        sketches = [d[0] for _, d in sketched]
+        total = yield AllReduce(torch.cat(sketches + [dense_values / world if world > 1 else dense_values]))
+        sums = total.split([sketch.numel() for sketch in sketches] + [dense_values.numel()])
+        chosen = []
+        for summed, (size, (_, buckets, signs)) in zip(sums, sketched):
+            estimate = median_of_rows(summed.gather(0, buckets.view(-1)).view(signs.shape).mul_(signs))
+            k = math.ceil(self.ratio * size.numel)
+            chosen.append(estimate.abs_().topk(k, dim=1, sorted=False).indices.add_(size.starts.view(-1, 1)))
+        at = _positions(chosen, p.device)
+        mine = p.index_select(0, at)
+        values = yield AllReduce(mine)
+        aggregate = torch.zeros(layout.numel, dtype=torch.float32, device=p.device)
+        aggregate.index_copy_(0, dense_at, sums[-1]).index_copy_(0, at, values / world)
+        return Exchanged(aggregate, sparse=(torch.cat([at, dense_at]), torch.cat([mine, dense_values])),
+                         sent_exactly=True)
+
+    def _class_sketch(self, p, b, size):
+        """(the class's sketches flat (rows * members * C), their flat bucket indices (rows, members, n),
+        the signs (rows, members, n)), or None for a class that is not compressed."""
+        k = math.ceil(self.ratio * size.numel)
+        cols = math.ceil(self.width * k)
+        if not (k > 0 and self.rows * cols < size.numel):
+            return None
+        layout, m = b.layout, len(size.members)
+        seeds = row_seeds(b.seed, _key_hashes(layout, size), b.step, self.rows).view(self.rows, m, 1)
+        buckets, signs = sketch_draws(torch.arange(size.numel, dtype=torch.int32, device=p.device), seeds, cols)
+        # each (row, member) its own C buckets: rows * members sketches end to end
+        buckets += (torch.arange(self.rows * m, device=p.device) * cols).view(self.rows, m, 1)
+        signed = signs * layout.rows(p, size)
+        sketch = torch.zeros(self.rows * m * cols, dtype=torch.float32, device=p.device)
+        return sketch.scatter_add_(0, buckets.view(-1), signed.view(-1)), buckets, signs
+
+    def bucket_payload_bytes(self, layout):
+        total = 0
+        for n in layout.numels:
+            k = math.ceil(self.ratio * n)
+            cols = math.ceil(self.width * k)
+            total += self.rows * cols + k if k > 0 and self.rows * cols < n else n
+        return total * 4
+
+
+def _positions(parts: list, device: torch.device) -> torch.Tensor:
+    """int64 positions in the bucket, the parts' end to end (none: empty)."""
+    return torch.cat([part.reshape(-1) for part in parts]) if parts else torch.empty(0, dtype=torch.int64, device=device)
+
+
+#: Per bucket layout, per size class: its members' key hashes on the device (built once per layout).
+_KEY_HASHES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _key_hashes(layout, size) -> torch.Tensor:
+    cached = _KEY_HASHES.setdefault(layout, {})
+    if size.numel not in cached:
+        cached[size.numel] = torch.tensor([_stable_hash(layout.keys[i] + "/sketch") for i in size.members],
+                                          dtype=torch.int64, device=layout.device)
+    return cached[size.numel]
