@@ -686,7 +686,7 @@ class ExchangeCount:
 class ExchangeCounts:
     """What :func:`count_exchanges` saw: ``calls`` (one :class:`ExchangeCount` per ``state.exchange``
     call, i.e. per DDP bucket sent through gradzip's thread, in order) and ``plain``: buckets the DDP
-    hook averaged with its own plain allreduce (``state.record_dense``), which run no exchange and so
+    hook averaged with its own plain allreduce (``state.record_dense`` or ``record_plain``), which run no exchange and so
     count no operation here."""
 
     def __init__(self):
@@ -747,11 +747,12 @@ def count_exchanges(state: GradzipState):
     :class:`ExchangeCounts`; a call is recorded when it returns (or raises), so once a training step's
     backward has returned, its buckets are in ``calls``.
 
-    Only the instance's attributes are patched (``exchange`` and ``record_dense``), and restored on exit.
+    Only the instance's attributes are patched (``exchange``, ``record_dense`` and ``record_plain``), and
+    restored on exit.
     """
     counts = ExchangeCounts()
-    saved = {name: vars(state).get(name, _MISSING) for name in ("exchange", "record_dense")}
-    exchange, record_dense = state.exchange, state.record_dense
+    saved = {name: vars(state).get(name, _MISSING) for name in ("exchange", "record_dense", "record_plain")}
+    exchange, record_dense, record_plain = state.exchange, state.record_dense, state.record_plain
 
     @functools.wraps(exchange)
     def counted_exchange(named_grads, *args, **kwargs):
@@ -768,7 +769,13 @@ def count_exchanges(state: GradzipState):
             counts.plain += 1
         return record_dense(*args, **kwargs)
 
-    state.exchange, state.record_dense = counted_exchange, counted_record_dense
+    @functools.wraps(record_plain)
+    def counted_record_plain(*args, **kwargs):
+        with counts._lock:
+            counts.plain += 1
+        return record_plain(*args, **kwargs)
+
+    state.exchange, state.record_dense, state.record_plain = counted_exchange, counted_record_dense, counted_record_plain
     try:
         yield counts
     finally:

@@ -18,7 +18,8 @@ BUCKETED = sorted(name for name in compressors() if make(name).bucketed)
 CASES = [(name, {}) for name in BUCKETED] + [
     ("fp16", {"feedback": "residual"}), ("bf16", {"feedback": "residual"}), ("topk", {"ratio": 0.3}),
     ("topk", {"ratio": 0.9}), ("topk", {"value_dtype": "float16"}), ("topk", {"feedback": "none"}),
-    ("efsignsgd", {"feedback": "none"}),
+    ("efsignsgd", {"feedback": "none"}), ("powersgd", {"dense_steps": 0}), ("powersgd", {"dense_steps": 0, "rank": 1}),
+    ("powersgd", {"dense_steps": 0, "feedback": "none"}), ("powersgd", {"dense_steps": 2, "warm_start": False}),
     ("qsgd", {"bucket_size": 16, "levels": 7}), ("qsgd", {"levels": 3, "norm": "max"}), ("qsgd", {"levels": 300, "bucket_size": 7}),
     ("qsgd", {"levels": 15, "feedback": "residual"}), ("terngrad", {"clip": None}), ("terngrad", {"feedback": "residual"}),
     ("natural", {"feedback": "residual"}),
@@ -34,12 +35,27 @@ CASES = [(name, {}) for name in BUCKETED] + [
 IDS = [f"{name}-{'-'.join(f'{k}={v}' for k, v in params.items()) or 'default'}" for name, params in CASES]
 #: Methods whose per-tensor quantities are float sums (a scale, a norm): equal to the per-tensor route
 #: up to the order of those sums, not bit for bit.
-SUM_ORDER = {"efsignsgd", "adaptive_threshold", "signsgd", "signum"}
+SUM_ORDER = {"efsignsgd": 1e-6, "powersgd": 2e-5,  # absolute tolerance: what float sums in another order give
+             "signsgd": 1e-6, "signum": 1e-6, "adaptive_threshold": 1e-6}
 #: Methods that draw at random: the bucket route draws by counter (kernels.counter_uniforms), the
 #: per-tensor route from a generator per tensor, so the two are compared in expectation instead.
 RANDOM = {name for name in BUCKETED if not make(name).deterministic}
 #: Odd shapes in one bucket: matrices of one size (one size class), vectors, 0-d, empty, one element.
 SHAPES = [(8, 40), (40,), (8, 40), (3, 3, 2), (), (0,), (1,), (40,), (5, 8)]
+
+
+def _same_starting_state(states, dtype) -> None:
+    """The same random values of each method-own state (PowerSGD's bases, a momentum) in every state:
+    each route draws its first ones differently (by counter, or from a generator per tensor)."""
+    _, named = _bucket(dtype)
+    layout = BucketLayout([k for k, _ in named], [g.shape for _, g in named], dtype, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(7)
+    for name, shapes in states[0].compressor.bucket_state_shapes(layout, 10**9).items():
+        for key, shape in zip(layout.keys, shapes):
+            if shape is not None:
+                value = torch.randn(shape, generator=gen)
+                for state in states:
+                    state.tensors.setdefault(key, {})[name] = value.clone()
 
 
 def test_the_methods_with_a_bucket_route():
@@ -64,10 +80,11 @@ def _pair(name, params, **kw):
 def test_bucket_route_equals_the_per_tensor_route(name, params, dtype):
     """Aggregates and residuals over several steps, into DDP's views and into fresh tensors: equal to
     each tensor's own exchange up to the order of float sums (a per-tensor scale's sum)."""
-    if name in RANDOM:
+    if name in RANDOM or params.get("warm_start") is False:
         pytest.skip("random draws differ by route: test_random_methods_are_unbiased_on_the_bucket_route")
     bucketed, reference = _pair(name, params)
     fresh = GradzipState(name, bucketed=True, **params)
+    _same_starting_state((bucketed, reference, fresh), dtype)
     exact = name not in SUM_ORDER
     for step in range(4):
         _, named = _bucket(dtype, seed=step)
@@ -81,7 +98,9 @@ def test_bucket_route_equals_the_per_tensor_route(name, params, dtype):
             if exact:
                 assert torch.equal(g, want) and torch.equal(other, want), (key, step)
             else:
-                torch.testing.assert_close(g.float(), want.float(), rtol=1e-5, atol=1e-6)
+                # a last-bit difference in fp32 can cross a rounding boundary of bf16 outputs
+                rtol = 1e-5 if dtype == torch.float32 else 2**-7
+                torch.testing.assert_close(g.float(), want.float(), rtol=rtol, atol=SUM_ORDER[name])
                 assert torch.equal(other, g), key  # the same route, into other memory: the same bits
     for key in reference.tensors:
         mine, theirs = bucketed.tensors.get(key, {}).get("residual"), reference.tensors[key].get("residual")
@@ -94,27 +113,32 @@ def test_bucket_route_equals_the_per_tensor_route(name, params, dtype):
 
 @pytest.mark.parametrize("name, params", [c for c in CASES if c[0] in RANDOM] or [pytest.param(None, None, marks=pytest.mark.skip("no random method is bucketed yet"))])
 def test_random_methods_are_unbiased_on_the_bucket_route(name, params):
-    """A random method without feedback: the mean of its aggregates over many steps (fresh draws each
-    step, as the step counter moves) tends to the input; with feedback, to it as well (what is not sent
-    is carried); the draws differ between steps and ranks' shared draws agree (test_ranks_agree...)."""
-    state = GradzipState(name, bucketed=True, **params)
+    """A random method's mean aggregate over many steps (fresh draws each step, as the step counter
+    moves) equals the per-tensor route's, whose draws come from a generator per tensor: the same
+    expectation (TernGrad's clipping bias included), within 6 standard errors of their difference; and
+    the draws differ from step to step."""
     flat, named = _bucket(seed=3)
-    steps, total = 400, torch.zeros_like(flat)
-    for _ in range(steps):
-        total += torch.cat([o.reshape(-1) for o in state.exchange(named)])
-    torch.testing.assert_close(total / steps, flat, rtol=0, atol=0.25)
-    first = torch.cat([o.reshape(-1) for o in GradzipState(name, bucketed=True, **params).exchange(named)])
-    assert not torch.equal(first, torch.cat([o.reshape(-1) for o in state.exchange(named)]))
+    steps, means, variances = 400, [], []
+    for bucketed in (True, False):
+        state = GradzipState(name, bucketed=bucketed, **params)
+        outs = torch.stack([torch.cat([o.reshape(-1) for o in state.exchange(named)]) for _ in range(steps)]).double()
+        means.append(outs.mean(0))
+        variances.append(outs.var(0))
+        assert not torch.equal(outs[0], outs[1])
+    bound = 6 * ((variances[0] + variances[1]) / steps).sqrt() + 1e-3 * (1 + flat.double().abs())
+    assert bool(((means[0] - means[1]).abs() <= bound).all()), ((means[0] - means[1]).abs() - bound).max()
 
 
 @pytest.mark.parametrize("name, params", CASES, ids=IDS)
 def test_payload_bytes_are_the_bucket_formula(name, params):
     state = GradzipState(name, bucketed=True, **params)
+    for _ in range(getattr(state.compressor, "dense_steps", 0)):  # methods that send densely at first
+        state.exchange(_bucket()[1])
     _, named = _bucket()
     state.exchange(named)
     layout = BucketLayout([k for k, _ in named], [g.shape for _, g in named], torch.float32, torch.device("cpu"))
     assert state.last_report.payload_bytes == state.compressor.bucket_payload_bytes(layout)
-    assert state.stats()["payload_bytes"] == state.compressor.bucket_payload_bytes(layout)
+    assert state.stats()["exchanges"] == 1 + getattr(state.compressor, "dense_steps", 0)
 
 
 @pytest.mark.parametrize("name, params", [c for c in CASES if make(c[0], **c[1]).feedback == "residual"],
@@ -241,7 +265,10 @@ def test_cpu_gradients_keep_the_per_tensor_route_by_default():
 
 
 def test_methods_without_a_bucket_route_keep_the_per_tensor_route():
-    state = GradzipState("qsgd", bucketed=True)
+    class PerTensorTopK(type(make("topk"))):
+        bucketed = False
+
+    state = GradzipState(PerTensorTopK(), bucketed=True)
     _, named = _bucket()
     state.exchange(named)
     assert not state._route.buckets and state.steps["layer0"] == 1

@@ -32,22 +32,9 @@ from gradzip.testing import OpCounter, count_exchanges
 
 #: Methods over budget today (ops/tensor added per parameter tensor, host reads per step at depth 2 and 8).
 OVER_BUDGET = {
-    "adaptive_threshold": "62 ops/tensor; 60 and 204 host reads/step (numpy per tensor)",
     "auto": "41 ops/tensor; 115 and 403 host reads/step (item per tensor): its chosen topk runs per tensor",
     "csc": "50 ops/tensor; 61 and 205 host reads/step (x[mask], numpy, item)",
     "dgc": "29 ops/tensor; 22 and 70 host reads/step (item, numpy)",
-    "dropping": "47 ops/tensor; about 64 and 220 host reads/step (item, numpy per tensor)",
-    "natural": "80 ops/tensor; 58 and 202 host reads/step (item per tensor)",
-    "onebit": "130 ops/tensor; 87 and 303 host reads/step (numpy per tensor)",
-    "powersgd": "40 ops/tensor; 13 and 37 host reads/step (item per matrix)",
-    "qsgd": "88 ops/tensor; 59 and 203 host reads/step (item, numpy per tensor)",
-    "randomk": "22 ops/tensor; 3 host reads/step",
-    "signsgd": "77 ops/tensor; 30 and 102 host reads/step (item per tensor)",
-    "signum": "83 ops/tensor; 30 and 102 host reads/step (item per tensor)",
-    "sketch": "42 ops/tensor; 3 host reads/step",
-    "sparseloco": "155 ops/tensor; 59 and 203 host reads/step (numpy per tensor)",
-    "terngrad": "78 ops/tensor; 59 and 203 host reads/step (item, numpy per tensor)",
-    "threshold": "40 ops/tensor; 60 and 204 host reads/step (numpy per tensor)",
 }
 
 #: Operations a method may add per parameter tensor; PowerSGD and 1-bit SGD get more.

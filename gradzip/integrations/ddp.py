@@ -112,17 +112,23 @@ def _plain_allreduce(buffer: torch.Tensor, wire: torch.dtype, group) -> torch.fu
     """Average ``buffer`` with one allreduce in ``wire`` dtype on DDP's C++ path, as PyTorch's own hooks
     do: no hop through gradzip's thread.  Divided before the allreduce, here, rather than in the
     callback on gloo's thread, which must take the GIL for it (about 1% of an unthrottled step:
-    benchmarks/hook_overhead.py); a 16-bit sum of x / N cannot overflow where the mean does not."""
+    benchmarks/hook_overhead.py); a 16-bit sum of x / N cannot overflow where the mean does not.
+    x / 1 == x, so a single rank divides nothing."""
     n = dist.get_world_size(group)
-    if wire == buffer.dtype:
+    if n > 1:
         buffer.div_(n)
+    if wire == buffer.dtype:
         fut = dist.all_reduce(buffer, group=group, async_op=True).get_future()
         return fut.then(lambda f: f.value()[0])
     # Divided in fp32 and rounded once to the wire type, as gradzip's own fp16 and bf16 do.  In place,
     # then cast: on CPUs a division writing fp16 directly takes twice as long as both.
-    sent = buffer.div_(n).to(wire)
+    sent = buffer.to(wire)
     fut = dist.all_reduce(sent, group=group, async_op=True).get_future()
-    # The half-precision sum itself is the result: DDP copies each gradient's slice of it into p.grad,
-    # casting on the way, so the bucket need not be written first (PyTorch's fp16 hook copies it back
-    # into the bucket, a pass more).
+    if buffer.is_cuda:
+        # Cast back into the bucket in one kernel, as PyTorch's fp16 hook does: DDP then copies each
+        # gradient's slice within one dtype (a memcpy), where a half result would cost a casting
+        # kernel per gradient (H200, a GPT of 101 tensors: 666 launches a step against 579).
+        return fut.then(lambda f: buffer.copy_(f.value()[0]))
+    # On CPUs the half-precision sum itself is the result: DDP copies each gradient's slice of it into
+    # p.grad, casting on the way, so the bucket need not be written first (a pass fewer).
     return fut.then(lambda f: f.value()[0])
