@@ -25,6 +25,7 @@ from typing import Optional, Sequence
 import torch
 
 from . import feedback as _feedback
+from . import kernels
 from .collectives import run_lockstep
 from .compressors.base import Compressor
 from .compressors.bucket import BucketContext, BucketLayout
@@ -186,7 +187,8 @@ class BucketRoute:
         local = torch.zeros((), dtype=torch.bool, device=layout.device)
         if not compressor.carries_nonfinite and layout.numel:
             local = ~torch.isfinite(torch.linalg.vector_norm(flat_g, float("inf")))
-        (result,), report = run_lockstep([_feedback.bucket_exchange(compressor, flat_g, b)], state.transport, local)
+        with kernels.suspended():  # eager operations only: no compile lands in a user's first step
+            (result,), report = run_lockstep([_feedback.bucket_exchange(compressor, flat_g, b)], state.transport, local)
         aggregate = result.aggregate
         bad = report.nonfinite
         if result.bound is not None:  # below half fp32's largest value, r rounded products stay finite

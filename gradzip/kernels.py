@@ -19,7 +19,9 @@ This module sits beside :mod:`gradzip.bits`: it imports only torch.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import types
 import warnings
 from typing import Callable, Optional
@@ -80,7 +82,24 @@ def written_finite(out: torch.Tensor, write: Callable[[int, int], object]) -> bo
 
 def enabled(numel: int) -> bool:
     """Whether a tensor of ``numel`` elements should take the fused path."""
-    return numel >= MIN_NUMEL and _failure is None and os.environ.get("GRADZIP_FUSED", "1") != "0"
+    return (numel >= MIN_NUMEL and _failure is None and os.environ.get("GRADZIP_FUSED", "1") != "0"
+            and not getattr(_THREAD, "suspended", False))
+
+
+_THREAD = threading.local()
+
+
+@contextlib.contextmanager
+def suspended():
+    """No fused kernel runs on this thread within the block: the reference paths do the work.  The
+    bucket route takes them, since a kernel's first compile (seconds) would land in a user's first
+    step on every new bucket size."""
+    before = getattr(_THREAD, "suspended", False)
+    _THREAD.suspended = True
+    try:
+        yield
+    finally:
+        _THREAD.suspended = before
 
 
 def enabled_over_ranks(numel: int, world: int) -> bool:
@@ -124,7 +143,7 @@ class Kernel:
     def run(self, *args, **static):
         """The kernel without the size check, for a caller that applies it piecewise to one tensor and
         checked that tensor's size against ``min_numel`` itself; None once fused kernels have failed."""
-        if _failure is not None:
+        if _failure is not None or getattr(_THREAD, "suspended", False):
             return None
         key = tuple(sorted(static.items()))
         try:

@@ -299,3 +299,21 @@ def test_register_takes_bucketed(tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(grads[True], grads[False]))
     finally:
         dist.destroy_process_group()
+
+
+def test_no_fused_kernel_runs_on_the_bucket_route(monkeypatch):
+    """A fused kernel's first compile takes seconds: the bucket route runs eager operations only, even
+    where the thresholds would let the kernels run (the per-tensor route then runs them)."""
+    from gradzip import kernels
+
+    monkeypatch.setattr(kernels, "MIN_NUMEL", 1)
+    monkeypatch.setattr(kernels, "LARGE_NUMEL", 1)
+    calls = []
+    for kernel in kernels.KERNELS:
+        monkeypatch.setattr(kernel, "min_numel", 1)
+        monkeypatch.setattr(kernel, "run", lambda *args, _k=kernel, **static: calls.append(_k.__name__))
+    for name in ("signsgd", "qsgd", "efsignsgd", "onebit", "natural", "terngrad", "threshold"):
+        GradzipState(name, bucketed=True).exchange(_bucket()[1])
+    assert not calls
+    GradzipState("efsignsgd", bucketed=False).exchange(_bucket()[1])  # its kernels may return None
+    assert calls
