@@ -202,6 +202,37 @@ class MomentumCorrection(Feedback):
         self.stage(ctx, MomentumState(momentum=u, velocity=v))
         return result
 
+    def bucket_exchange(self, compressor, g, b):
+        """The same over a flat bucket ``g``: u and v one flat tensor each in ``b``'s state; each
+        tensor's clipping norm by one segmented sum of squares; masking u at the sent positions
+        (``sparse``: index_fill; else the sent mask).  The tensors that the compressor sends whole
+        (:func:`_none_where_whole`) keep no velocity, and their momentum is not masked (their sent
+        positions are not in ``sparse``/``mask``)."""
+        layout, m = b.layout, self.momentum
+        g = g.float()
+        if self.clip_norm is not None:
+            limit = self.clip_norm * b.world_size ** -0.5
+            norms = layout.segment_sum(g * g).sqrt_()
+            g = g * layout.per_element(torch.clamp(limit / (norms + 1e-6), max=1.0))
+        u, v = b.get("momentum"), b.get("velocity")
+        u = torch.zeros_like(g) if u is None else u
+        if self.nesterov:
+            u = torch.add(u, g).mul_(m)  # u = (u + g) * m
+            increment = u + g
+        else:
+            u = torch.mul(u, m).add_(g)  # u = m * u + g
+            increment = u
+        v = increment.clone() if v is None else torch.add(v, increment)
+        result = yield from compressor.bucket_exchange(v, b)
+        v = _none_where_whole(compressor, b, _minus_sent(v, result, own=True))
+        if result.sparse is not None:
+            u.index_fill_(0, result.sparse[0], 0.0)
+        elif result.mask is not None:
+            u.masked_fill_(result.mask, 0.0)
+        b.set("momentum", u)
+        b.set("velocity", v)
+        return result
+
 
 @kernels.fused(min_numel=kernels.LARGE_NUMEL)
 def _momentum_step(u, g, v, new_u, new_v, *, m: float, nesterov: bool):
@@ -318,20 +349,32 @@ def exchange(compressor: Compressor, g: torch.Tensor, ctx: TensorContext) -> Exc
 
 def takes_bucket(compressor: Compressor) -> bool:
     """Whether the compressor's feedback scheme has a bucket route (:func:`bucket_exchange`)."""
-    return type(scheme_of(compressor)) in (NoFeedback, Residual)
+    return type(scheme_of(compressor)) in (NoFeedback, Residual, MomentumCorrection)
 
 
 def bucket_exchange(compressor: Compressor, g: torch.Tensor, b) -> Exchange:
-    """Compress a whole bucket, the flat ``g``, with the compressor's feedback scheme (none, or residual:
+    """Compress a whole bucket, the flat ``g``, with the compressor's feedback scheme (none; residual:
     p = g + e; send C(p); e = p - D(C(p)), with e one flat tensor in ``b``'s state, staged for the owner
-    to commit)."""
-    if isinstance(scheme_of(compressor), NoFeedback):
+    to commit; momentum: :meth:`MomentumCorrection.bucket_exchange`)."""
+    scheme = scheme_of(compressor)
+    if isinstance(scheme, NoFeedback):
         return (yield from compressor.bucket_exchange(g.float(), b))
+    if isinstance(scheme, MomentumCorrection):
+        return (yield from scheme.bucket_exchange(compressor, g, b))
     e = b.get("residual")
     p = g.float() if e is None else torch.add(g, e)
     result = yield from compressor.bucket_exchange(p, b)
-    b.set("residual", _minus_sent(p, result, own=e is not None or g.dtype != torch.float32))
+    e = _minus_sent(p, result, own=e is not None or g.dtype != torch.float32)
+    b.set("residual", _none_where_whole(compressor, b, e))
     return result
+
+
+def _none_where_whole(compressor: Compressor, b, state: torch.Tensor) -> torch.Tensor:
+    """``state`` zeroed (the route's "nothing kept") over the tensors that the compressor sent whole
+    (``compressor.bucket_sent_whole(layout)``: a bool over the bucket, or None), which keep no state."""
+    whole = getattr(compressor, "bucket_sent_whole", None)
+    whole = None if whole is None else whole(b.layout)
+    return state if whole is None else state.masked_fill_(whole, 0.0)
 
 
 def _withdrawing_overlapping_out(run):

@@ -113,6 +113,8 @@ class BucketContext:
     seed: int = 0
     state: dict = field(default_factory=dict)
     updates: dict = field(default_factory=dict)
+    #: The epoch given to ``GradzipState.set_epoch``, or None (epoch-driven schedules then follow ``step``).
+    epoch: Optional[int] = None
 
     def get(self, name: str, default: Any = None) -> Any:
         return self.updates.get(name, self.state.get(name, default))
