@@ -31,7 +31,11 @@ CASES = [(name, {}) for name in BUCKETED] + [
     ("threshold", {"tau": 1.0, "feedback": "none"}), ("dropping", {"drop_ratio": 0.5, "sample_ratio": 0.25}),
     ("adaptive_threshold", {"ratio": 0.3}), ("adaptive_threshold", {"ratio": 1.0, "feedback": "none"}),
     ("sparseloco", {"chunk": 16}), ("sparseloco", {"chunk": 7, "density": 0.3}), ("sparseloco", {"decay": 0.5, "density": 1.0}),
-    ("sketch", {"ratio": 0.1, "rows": 3, "width": 2.0}), ("sketch", {"rows": 20, "width": 1.0}), ("sketch", {"feedback": "none"})]
+    ("sketch", {"ratio": 0.1, "rows": 3, "width": 2.0}), ("sketch", {"rows": 20, "width": 1.0}), ("sketch", {"feedback": "none"}),
+    ("dgc", {"min_numel": 0, "warmup_epochs": 0, "ratio": 0.3}), ("dgc", {"min_numel": 100, "ratio": 0.1, "nesterov": True, "clip_norm": 1.0}),
+    ("dgc", {"min_numel": 0, "ratio": 0.3, "feedback": "residual"}), ("dgc", {"min_numel": 0, "ratio": 0.1, "value_dtype": "float16", "warmup_epochs": 0}),
+    ("csc", {"chunk_size": 7, "ratio": 0.3}), ("csc", {"feedback": "momentum", "chunk_size": 8, "ratio": 0.2}),
+    ("csc", {"chunk_size": 16, "ratio": 0.5, "value_dtype": "float16"}), ("csc", {"feedback": "none", "chunk_size": 3, "ratio": 0.5})]
 IDS = [f"{name}-{'-'.join(f'{k}={v}' for k, v in params.items()) or 'default'}" for name, params in CASES]
 #: Methods whose per-tensor quantities are float sums (a scale, a norm): equal to the per-tensor route
 #: up to the order of those sums, not bit for bit.

@@ -33,15 +33,13 @@ from gradzip.testing import OpCounter, count_exchanges
 #: Methods over budget today (ops/tensor added per parameter tensor, host reads per step at depth 2 and 8).
 OVER_BUDGET = {
     "auto": "41 ops/tensor; 115 and 403 host reads/step (item per tensor): its chosen topk runs per tensor",
-    "csc": "50 ops/tensor; 61 and 205 host reads/step (x[mask], numpy, item)",
-    "dgc": "29 ops/tensor; 22 and 70 host reads/step (item, numpy)",
 }
 
 #: Operations a method may add per parameter tensor; PowerSGD and 1-bit SGD get more.
 OPS_PER_TENSOR = 2
 OPS_PER_TENSOR_OF = {"powersgd": 6, "onebit": 6}
 #: Methods whose payload size depends on the data: they may read one count per bucket.
-DATA_SIZED = {"threshold", "dropping", "adaptive_threshold"}
+DATA_SIZED = {"threshold", "dropping", "adaptive_threshold", "dgc"}
 #: Methods whose buckets the DDP hook averages with its own plain allreduce: no exchange runs.
 PLAIN = {"none", "fp16", "bf16"}
 

@@ -19,6 +19,7 @@ from ..bits import index_dtype
 from .base import AllGather, AllReduce, Compressor, Exchanged, GatheredCompressor, TensorContext, check_ratio
 from .base import value_dtype as _parse_value_dtype
 from .base import compare, count_true, workspace, zeroed
+from .quantize import _chunk_lengths
 from .registry import register
 
 
@@ -762,7 +763,7 @@ class GradientDropping(MaskedBucket, Sparsifier):
 
 
 @register
-class DGC(Sparsifier):
+class DGC(MaskedBucket, Sparsifier):
     """Deep Gradient Compression (Lin et al., ICLR 2018) with all four techniques.
 
     feedback="momentum" (feedback.py) does momentum correction u = m u + g, v = v + u (Nesterov:
@@ -827,11 +828,14 @@ class DGC(Sparsifier):
         """The warm-up stage of this exchange: the epoch given to ``set_epoch``, else
         min(floor(step * warmup_epochs / warmup_steps), warmup_epochs), where ``warmup_epochs`` is past
         the warm-up (as is every step when ``warmup_steps`` is 0)."""
-        if ctx.epoch is not None:
-            return ctx.epoch
+        return self._stage(ctx.epoch, ctx.step)
+
+    def _stage(self, epoch: Optional[int], step: int) -> int:
+        if epoch is not None:
+            return epoch
         if self.warmup_steps == 0:
             return self.warmup_epochs
-        return min(ctx.step * self.warmup_epochs // self.warmup_steps, self.warmup_epochs)
+        return min(step * self.warmup_epochs // self.warmup_steps, self.warmup_epochs)
 
     def compresses(self, ctx):
         # Biases and normalisation weights are a tiny share of the bytes: the paper sends them dense.
@@ -868,6 +872,95 @@ class DGC(Sparsifier):
         if not self.compresses(ctx):
             return ctx.shape.numel() * ctx.dtype.itemsize  # feedback.py's dense path
         return super().payload_bytes(ctx, kept)
+
+    bucketed = True
+
+    def bucket_sent_whole(self, layout) -> Optional[torch.Tensor]:
+        """The elements of the tensors sent whole (dim <= 1 or fewer than ``min_numel`` elements), a
+        bool over the bucket, built once per layout; None where every tensor is compressed."""
+        return _whole_tensors(layout, self.min_numel)[0]
+
+    def bucket_exchange(self, p, b):
+        """Per tensor the selection of :meth:`select`, size class by size class (:meth:`_bucket_mask`),
+        as one mask over the bucket; the exchange of the selected elements and its **one host read**:
+        :class:`MaskedBucket` (the number sent is data-dependent: fewer than k when too few pass the
+        lowered thresholds).  The tensors sent whole are first averaged by one allreduce of x / N in
+        the gradient's dtype, as feedback.py's dense path does per tensor.  Wire: their n_whole *
+        dtype bytes + 8 + K * (value bytes + index bytes), or + 8 + n * value bytes."""
+        whole, at = _whole_tensors(b.layout, self.min_numel)
+        passed = self._bucket_mask(p, b)
+        dense = None
+        if whole is not None:
+            passed.masked_fill_(whole, False)
+            values = p.index_select(0, at)
+            dense = yield AllReduce((values if b.world_size == 1 else values / b.world_size).to(b.layout.dtype))
+        kept = self.__dict__.setdefault("_bucket_kept", {})
+        result = yield from masked_bucket_exchange(p, b, passed, self._vdtype or b.layout.dtype, kept)
+        if dense is not None:
+            result.aggregate.index_copy_(0, at, dense.float())
+        return result
+
+    def _bucket_mask(self, p, b) -> torch.Tensor:
+        """:meth:`select` for every tensor of the bucket, as a bool over it: per size class, each row's
+        strided sample of |v| (start drawn by counter per rank), sorted once; the thresholds lowered
+        row by row where too few pass (``torch.where``, at most ``max_retries`` times); rows where more
+        than k pass keep their exact top k (one topk per class)."""
+        layout, stride = b.layout, max(1, round(1 / self.sample_ratio))
+        density = self.density(self._stage(b.epoch, b.step))
+        tiny = torch.finfo(torch.float32).smallest_normal * torch.finfo(torch.float32).eps
+        passed = torch.zeros(layout.numel, dtype=torch.bool, device=p.device)
+        for size in layout.classes:
+            n, span = size.numel, min(stride, size.numel)
+            k = math.ceil(density * n)
+            rows = layout.rows(p, size).abs()
+            starts = b.uniforms(len(size.members), shared=False, salt=f"dgc/{n}").mul_(span).long().clamp_(max=span - 1)
+            columns = starts.view(-1, 1) + stride * torch.arange(-(-n // stride), device=p.device)
+            outside = columns >= n
+            sample = rows.gather(1, columns.clamp(max=n - 1)).masked_fill_(outside, -1.0)
+            sample = sample.sort(dim=1, descending=True).values  # |v| >= 0: the padding last
+            s = (~outside).sum(dim=1, keepdim=True)
+            r = torch.ceil(s.double() * density).long()
+            threshold = sample.gather(1, r - 1)
+            chosen = rows >= threshold.clamp_min(tiny)
+            count = chosen.sum(dim=1, keepdim=True)
+            for retry in range(1, self.max_retries + 1):
+                # As in select: twice as far down the sample, but at most halved; rows with enough stay.
+                lower = sample.gather(1, torch.minimum(r * 2**retry, s) - 1)
+                lowered = torch.where(lower < threshold, torch.maximum(lower, threshold / 2), threshold / 2)
+                threshold = torch.where(count < math.ceil(self.lower_bound * k), lowered, threshold)
+                chosen = rows >= threshold.clamp_min(tiny)
+                count = chosen.sum(dim=1, keepdim=True)
+            top = torch.zeros_like(chosen).scatter_(1, rows.topk(k, dim=1, sorted=False).indices, True)
+            chosen = torch.where(count > k, top, chosen)  # hierarchical top-k: the k largest of the candidates
+            passed.index_put_(((size.starts.view(-1, 1) + torch.arange(n, device=p.device)).view(-1),), chosen.view(-1))
+        return passed
+
+    def bucket_payload_bytes(self, layout, kept: Optional[int] = None) -> int:
+        whole = sum(n for n, shape in zip(layout.numels, layout.shapes) if not _compressed(shape, self.min_numel))
+        return whole * layout.dtype.itemsize + super().bucket_payload_bytes(layout, kept)
+
+
+def _compressed(shape: torch.Size, min_numel: int) -> bool:
+    """DGC.compresses: matrices (dim > 1) of at least ``min_numel`` elements."""
+    return len(shape) > 1 and shape.numel() >= min_numel
+
+
+#: Per bucket layout and min_numel: DGC's tensors sent whole (see _whole_tensors).
+_WHOLE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _whole_tensors(layout, min_numel: int) -> tuple:
+    """(bool over the bucket, int64 positions) of the elements of the tensors DGC sends whole, built
+    once per layout; (None, None) where it compresses every tensor."""
+    cached = _WHOLE.setdefault(layout, {})
+    if min_numel not in cached:
+        whole = torch.zeros(layout.numel, dtype=torch.bool)
+        for shape, start, n in zip(layout.shapes, layout.offsets, layout.numels):
+            if not _compressed(shape, min_numel):
+                whole[start:start + n] = True
+        cached[min_numel] = (None, None) if not bool(whole.any()) else \
+            (whole.to(layout.device), torch.from_numpy(np.flatnonzero(whole.numpy())).to(layout.device))
+    return cached[min_numel]
 
 
 
@@ -954,6 +1047,59 @@ class CSC(SharedSparsifier):
         if kept is None:
             raise ValueError(f"{self.name} sends a data-dependent number of elements; pass kept=")
         return 4 * -(-ctx.shape.numel() // self.chunk_size) + kept * self.values_dtype(ctx).itemsize
+
+    bucketed = True
+
+    def bucket_exchange(self, p, b):
+        """Per tensor the chunks of :meth:`exchange`: every chunk norm of the bucket by one segmented
+        sum of |p| over its chunk lengths (each tensor's last chunk shorter: the zero-padded one's
+        norm), all allreduced at once; per size class one stable descending sort of each row's summed
+        norms picks its first kc (ties to the lower chunk, as :func:`largest_first`); the values of the
+        picked chunks allreduced as :meth:`reduce_at` does (divided by N before a 16-bit cast).
+        Wire: 4 * chunks + kc * chunk_size values per tensor: a picked last chunk's padding is sent as
+        zeros (so the size is fixed by the shapes), and dropped by the receivers.  ``sent`` and its
+        mask are given dense (the count of real elements sent is data-dependent)."""
+        layout, c, n = b.layout, self.chunk_size, b.layout.numel
+        vdtype = self._vdtype or layout.dtype
+        pre = b.world_size if vdtype.itemsize == 2 else 1
+        firsts = _first_chunks(layout, c)
+        norms = yield AllReduce(torch.segment_reduce(p.abs(), "sum", lengths=_chunk_lengths(layout, c), unsafe=True))
+        positions = []
+        for size, first in zip(layout.classes, firsts):
+            chunks = -(-size.numel // c)
+            rows = norms.index_select(0, (first.view(-1, 1) + torch.arange(chunks, device=p.device)).view(-1))
+            top = rows.view(-1, chunks).sort(dim=1, descending=True, stable=True).indices[:, :math.ceil(self.ratio * chunks)]
+            at = (top.unsqueeze(2) * c + torch.arange(c, device=p.device)).view(len(size.members), -1)
+            positions.append(torch.where(at < size.numel, at + size.starts.view(-1, 1), n).view(-1))  # padding: n
+        at = torch.cat(positions) if positions else torch.empty(0, dtype=torch.int64, device=p.device)
+        values = torch.cat([p, p.new_zeros(1)]).index_select(0, at)  # the padding's values are zero
+        payload = _times(values, 1 / pre).to(vdtype)
+        total = yield AllReduce(payload)
+        aggregate = torch.zeros(n + 1, dtype=torch.float32, device=p.device)
+        aggregate.index_put_((at,), _times(total.float(), pre / b.world_size))
+        sent = _times(payload.float(), pre)
+        return Exchanged(aggregate[:n], lambda: torch.zeros(n + 1, device=p.device).index_put_((at,), sent)[:n],
+                         lambda: torch.zeros(n + 1, dtype=torch.bool, device=p.device).index_fill_(0, at, True)[:n])
+
+    def bucket_payload_bytes(self, layout):
+        chunks = [-(-n // self.chunk_size) for n in layout.numels]
+        kept = sum(math.ceil(self.ratio * k) * self.chunk_size for k in chunks)
+        return 4 * sum(chunks) + kept * (self._vdtype or layout.dtype).itemsize
+
+
+#: Per bucket layout and chunk size: each size class's members' first chunk (see _first_chunks).
+_FIRSTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _first_chunks(layout, c: int) -> list:
+    """Per size class, the index of each member's first chunk among the bucket's chunks of ``c``
+    elements (:func:`~.quantize._chunk_lengths`' order), as int64 device tensors built once per layout."""
+    cached = _FIRSTS.setdefault(layout, {})
+    if c not in cached:
+        firsts = [sum(-(-m // c) for m in layout.numels[:i]) for i in range(len(layout))]
+        cached[c] = [torch.tensor([firsts[i] for i in size.members], dtype=torch.int64, device=layout.device)
+                     for size in layout.classes]
+    return cached[c]
 
 
 @kernels.fused(min_numel=kernels.LARGE_NUMEL)
