@@ -69,7 +69,7 @@ def _bucketed_cases():
 
 
 #: Methods whose payload size depends on the data: they may read one count per bucket.
-DATA_SIZED = {"threshold", "dropping", "adaptive_threshold"}
+DATA_SIZED = {"threshold", "dropping", "adaptive_threshold", "dgc"}
 
 
 def _cuda_bucket(seed: int, dtype=torch.float32):
