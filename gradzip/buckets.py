@@ -19,6 +19,7 @@ every other method and case; :func:`takes_bucket_route` says which one an exchan
 from __future__ import annotations
 
 import ctypes
+import threading
 import time
 from typing import Optional, Sequence
 
@@ -51,30 +52,34 @@ class DeferredFlag:
         self._host: Optional[torch.Tensor] = None
         self._event = None
         self.pending = False
+        self._lock = threading.Lock()  # stats() and state_dict() take it from the training thread
 
     def set(self, flag: torch.Tensor) -> None:
-        if flag.is_cuda:
-            if self._host is None:
-                self._host = torch.empty((), dtype=torch.bool, pin_memory=True)
-                self._event = torch.cuda.Event()
-            self._host.copy_(flag, non_blocking=True)
-            self._event.record()
-        else:
-            self._host = flag
-        self.pending = True
+        with self._lock:
+            if flag.is_cuda:
+                if self._host is None:
+                    self._host = torch.empty((), dtype=torch.bool, pin_memory=True)
+                    self._event = torch.cuda.Event()
+                self._host.copy_(flag, non_blocking=True)
+                self._event.record()
+            else:
+                self._host = flag
+            self.pending = True
 
     def take(self) -> bool:
         """The flag's value (False when none is pending); it is then no longer pending."""
-        if not self.pending:
-            return False
-        self.pending = False
-        if self._event is not None and not self._event.query():  # done long since, as a rule
-            self._event.synchronize()
-        # Read from host memory directly: on a CPU the flag is already there, on CUDA in pinned memory.
-        return bool(ctypes.c_bool.from_address(self._host.data_ptr()).value)
+        with self._lock:
+            if not self.pending:
+                return False
+            self.pending = False
+            if self._event is not None and not self._event.query():  # done long since, as a rule
+                self._event.synchronize()
+            # Read from host memory directly: on a CPU the flag is there, on CUDA in pinned memory.
+            return bool(ctypes.c_bool.from_address(self._host.data_ptr()).value)
 
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
+
 
 class _Bucket:
     """What the route keeps for one bucket: its layout, where its input lies, its flat state."""
@@ -195,6 +200,7 @@ class BucketRoute:
             bad = bad | ~(result.bound < _FLOAT32_MAX / 2)  # NaN compares False: bad
         elif aggregate.numel():
             bad = bad | ~torch.isfinite(torch.linalg.vector_norm(aggregate, float("inf")))
+        report.nonfinite = bad  # a device bool: what a caller reading it (DiLoCo's outer step) must know
         poison = torch.where(bad, float("nan"), 1.0)  # x * 1 == x for every x, NaN too
         in_place = out is not None and entry.input_at is not None and all(o is g for o, (_, g) in zip(out, named_grads))
         outputs = _write(aggregate, poison, out, flat_g if in_place else None, layout)

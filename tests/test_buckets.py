@@ -216,6 +216,7 @@ def test_an_overflowing_fp16_payload_poisons_the_step():
     named[0][1][0, 0] = 1e6
     out = state.exchange(named)
     assert all(bool(torch.isnan(o).all()) for o in out if o.numel())
+    assert bool(state.last_report.nonfinite)  # the report says so too (DiLoCo's outer step reads it)
     assert torch.equal(state.tensors["layer0"]["residual"], before)
     assert state.stats()["nonfinite_exchanges"] == 1 and state.steps["layer0"] == 1
 
@@ -321,3 +322,32 @@ def test_no_fused_kernel_runs_on_the_bucket_route(monkeypatch):
     assert not calls
     GradzipState("efsignsgd", bucketed=False).exchange(_bucket()[1])  # its kernels may return None
     assert calls
+
+
+@pytest.mark.parametrize("name", ["topk", "efsignsgd", "signsgd"])  # deterministic: the same draws either way
+def test_the_optimizer_wrapper_and_diloco_take_the_bucket_route(name, tmp_path):
+    """DistributedOptimizer's buckets and DiLoCo's pseudo-gradients go through GradzipState.exchange, so
+    they take the bucket route too: the same parameters as the per-tensor route (up to sum order)."""
+    import torch.distributed as dist
+
+    params = {}
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        finals = {}
+        for bucketed in (True, False):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+            opt = gradzip.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model.named_parameters(),
+                                               name, bucketed=bucketed, **params)
+            diloco = gradzip.DiLoCo(model, opt, sync_every=2, compressor=name, **params)
+            diloco.state.bucketed = bucketed  # as on CUDA, where it is the default
+            for step in range(4):
+                opt.zero_grad()
+                model(torch.randn(8, 16, generator=torch.Generator().manual_seed(step))).square().sum().backward()
+                opt.step()
+                diloco.step()
+            assert bool(opt.gradzip_state._route.buckets) == bool(diloco.state._route.buckets) == bucketed
+            finals[bucketed] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        torch.testing.assert_close(finals[True], finals[False], rtol=1e-5, atol=1e-6)
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,83 @@
+"""Operations and host reads of every method's exchange per DDP bucket, on both routes, on CPU.
+
+The numbers behind the budgets of tests/test_budgets.py, for each method on the per-tensor route
+(``bucketed=False``, the CPU default) and on the bucket route (``bucketed=True``, the CUDA default): a
+one-process gloo group, the harness's GPT (width 32) at 2 and 8 blocks in one DDP bucket, two warm-up
+steps, then one step counted by :func:`gradzip.testing.count_exchanges` (every aten operation dispatched
+inside the exchange, and the host reads among them: what would wait for a GPU).
+
+    python benchmarks/op_budgets.py [--methods topk,qsgd]
+
+Prints, per method and route: operations per step at each depth, operations added per parameter tensor,
+and host reads per step at each depth.  Counts are exact, not timings: the machine's load does not
+change them (data-dependent methods vary by a few operations from step to step).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import gradzip
+from gradzip.bench.kernels import BENCH_PARAMS
+from gradzip.harness.data import DatasetInfo
+from gradzip.harness.models import GPT
+from gradzip.testing import count_exchanges
+
+INFO = DatasetInfo("budget", (16,), 64, "language_model")
+DEPTHS = (2, 8)
+#: auto settles on Top-k at once: its own exchange, not its trials, is counted.
+PARAMS = {**BENCH_PARAMS, "auto": {"candidates": "topk:ratio=0.01", "warmup": 0, "trials": 1, "verify": 0}}
+
+
+def count(method: str, depth: int, bucketed: bool) -> tuple:
+    """(parameter tensors, operations, host reads) of one step's exchanges."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = GPT(INFO, layers=depth, width=32, heads=4)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1024)
+    state = gradzip.register(ddp, method, bucketed=bucketed, **PARAMS.get(method, {}))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(depth)
+
+    def step():
+        x = torch.randint(0, INFO.num_classes, (4, INFO.input_shape[0] + 1), generator=gen)
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(ddp(x[:, :-1]).reshape(-1, INFO.num_classes), x[:, 1:].reshape(-1)).backward()
+        opt.step()
+
+    try:
+        for _ in range(2):
+            step()
+        with count_exchanges(state) as counts:
+            step()
+        return len(list(model.parameters())), counts.ops, counts.host_reads
+    finally:
+        state.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--methods", default=",".join(gradzip.compressors()))
+    args = parser.parse_args()
+    store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    print("| method | route | ops/step d2 | ops/step d8 | ops/tensor | host reads d2 / d8 |")
+    print("|---|---|---|---|---|---|")
+    try:
+        for method in args.methods.split(","):
+            for bucketed in (False, True):
+                (t2, ops2, reads2), (t8, ops8, reads8) = (count(method, d, bucketed) for d in DEPTHS)
+                route = "bucket" if bucketed else "per tensor"
+                print(f"| {method} | {route} | {ops2} | {ops8} | {(ops8 - ops2) / (t8 - t2):.1f} | {reads2} / {reads8} |",
+                      flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
