@@ -282,28 +282,61 @@ def test_methods_without_a_bucket_route_keep_the_per_tensor_route():
     assert not grouped._route.buckets
 
 
-def test_register_takes_bucketed(tmp_path):
-    """A real DDP hook (one-process gloo group) on the bucket route: the step's gradients are the
-    per-tensor route's."""
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A one-process gloo group, as a DDP job of one rank has."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        grads = {}
-        for bucketed in (True, False):
-            torch.manual_seed(0)
-            model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
-            ddp = torch.nn.parallel.DistributedDataParallel(model)
-            state = gradzip.register(ddp, "topk", ratio=0.1, bucketed=bucketed)
-            for step in range(3):
-                ddp.zero_grad()
-                ddp(torch.randn(8, 16, generator=torch.Generator().manual_seed(step))).square().sum().backward()
-            grads[bucketed] = [p.grad.clone() for p in model.parameters()]
-            assert bool(state._route.buckets) == bucketed
-            state.close()
-        assert all(torch.equal(a, b) for a, b in zip(grads[True], grads[False]))
-    finally:
-        dist.destroy_process_group()
+    yield
+    dist.destroy_process_group()
+
+
+def _small_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+
+def _loss(model, step):
+    return model(torch.randn(8, 16, generator=torch.Generator().manual_seed(step))).square().sum()
+
+
+def test_register_takes_bucketed(one_rank_group):
+    """A real DDP hook (one-process gloo group) on the bucket route: the step's gradients are the
+    per-tensor route's."""
+    grads = {}
+    for bucketed in (True, False):
+        model = _small_model()
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        state = gradzip.register(ddp, "topk", ratio=0.1, bucketed=bucketed)
+        for step in range(3):
+            ddp.zero_grad()
+            _loss(ddp, step).backward()
+        grads[bucketed] = [p.grad.clone() for p in model.parameters()]
+        assert bool(state._route.buckets) == bucketed
+        state.close()
+    assert all(torch.equal(a, b) for a, b in zip(grads[True], grads[False]))
+
+
+@pytest.mark.parametrize("name", ["topk", "efsignsgd", "signsgd"])  # deterministic: the same draws either way
+def test_the_optimizer_wrapper_and_diloco_take_the_bucket_route(name, one_rank_group):
+    """DistributedOptimizer's buckets and DiLoCo's pseudo-gradients go through GradzipState.exchange, so
+    they take the bucket route too: the same parameters as the per-tensor route (up to sum order)."""
+    finals = {}
+    for bucketed in (True, False):
+        model = _small_model()
+        opt = gradzip.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model.named_parameters(),
+                                           name, bucketed=bucketed)
+        diloco = gradzip.DiLoCo(model, opt, sync_every=2, compressor=name)
+        diloco.state.bucketed = bucketed  # as on CUDA, where it is the default
+        for step in range(4):
+            opt.zero_grad()
+            _loss(model, step).backward()
+            opt.step()
+            diloco.step()
+        assert bool(opt.gradzip_state._route.buckets) == bool(diloco.state._route.buckets) == bucketed
+        finals[bucketed] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    torch.testing.assert_close(finals[True], finals[False], rtol=1e-5, atol=1e-6)
 
 
 def test_no_fused_kernel_runs_on_the_bucket_route(monkeypatch):
@@ -323,31 +356,3 @@ def test_no_fused_kernel_runs_on_the_bucket_route(monkeypatch):
     GradzipState("efsignsgd", bucketed=False).exchange(_bucket()[1])  # its kernels may return None
     assert calls
 
-
-@pytest.mark.parametrize("name", ["topk", "efsignsgd", "signsgd"])  # deterministic: the same draws either way
-def test_the_optimizer_wrapper_and_diloco_take_the_bucket_route(name, tmp_path):
-    """DistributedOptimizer's buckets and DiLoCo's pseudo-gradients go through GradzipState.exchange, so
-    they take the bucket route too: the same parameters as the per-tensor route (up to sum order)."""
-    import torch.distributed as dist
-
-    params = {}
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        finals = {}
-        for bucketed in (True, False):
-            torch.manual_seed(0)
-            model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
-            opt = gradzip.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model.named_parameters(),
-                                               name, bucketed=bucketed, **params)
-            diloco = gradzip.DiLoCo(model, opt, sync_every=2, compressor=name, **params)
-            diloco.state.bucketed = bucketed  # as on CUDA, where it is the default
-            for step in range(4):
-                opt.zero_grad()
-                model(torch.randn(8, 16, generator=torch.Generator().manual_seed(step))).square().sum().backward()
-                opt.step()
-                diloco.step()
-            assert bool(opt.gradzip_state._route.buckets) == bool(diloco.state._route.buckets) == bucketed
-            finals[bucketed] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        torch.testing.assert_close(finals[True], finals[False], rtol=1e-5, atol=1e-6)
-    finally:
-        dist.destroy_process_group()

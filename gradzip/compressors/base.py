@@ -25,6 +25,7 @@ __all__ = [
     "AllReduce",
     "AllGather",
     "Exchanged",
+    "StagedContext",
     "TensorContext",
     "Compressor",
     "SummableCompressor",
@@ -163,17 +164,12 @@ def _stable_hash(text: str) -> int:
     return zlib.crc32(text.encode("utf-8"))
 
 
-@dataclass
-class TensorContext:
-    """Everything a compressor may know about the tensor it is compressing.
+@dataclass(kw_only=True)
+class StagedContext:
+    """Where an exchange runs (step, epoch, rank, world size, seed) and its *staged* state: :meth:`get`
+    reads the committed value unless this step already :meth:`set` one, and the owner commits
+    ``updates`` only after the whole exchange succeeded on every rank."""
 
-    State is *staged*: :meth:`get` reads the committed value unless this step already :meth:`set` one,
-    and the owner commits ``updates`` only after the whole exchange succeeded on every rank.
-    """
-
-    key: str
-    shape: torch.Size
-    dtype: torch.dtype
     step: int = 0
     #: The epoch given to ``GradzipState.set_epoch``, or None when the script never calls it (epoch-driven
     #: schedules then follow ``step``).
@@ -183,6 +179,22 @@ class TensorContext:
     seed: int = 0
     state: dict = field(default_factory=dict)
     updates: dict = field(default_factory=dict)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.updates.get(name, self.state.get(name, default))
+
+    def set(self, name: str, value: Any) -> None:
+        self.updates[name] = value
+
+
+@dataclass
+class TensorContext(StagedContext):
+    """Everything a compressor may know about the tensor it is compressing (state staged as in
+    :class:`StagedContext`)."""
+
+    key: str
+    shape: torch.Size
+    dtype: torch.dtype
     #: This tensor's buffers kept across steps by the owner (see :meth:`buffer`); None: no reuse.
     buffers: Optional[dict] = None
     #: The caller's output tensor, lent as the "aggregate" buffer (which then needs no copy out), or
@@ -196,12 +208,6 @@ class TensorContext:
     input_nonfinite: bool = False
     #: What :meth:`Compressor.read_while_written` computed as the input was written, or None.
     precomputed: Any = None
-
-    def get(self, name: str, default: Any = None) -> Any:
-        return self.updates.get(name, self.state.get(name, default))
-
-    def set(self, name: str, value: Any) -> None:
-        self.updates[name] = value
 
     def buffer(self, name: str, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """An uninitialised tensor for this exchange's own use (the aggregate, a decoded payload), the

@@ -13,13 +13,13 @@ of a transformer holds dozens of tensors, so per-tensor Python is what made a st
 from __future__ import annotations
 
 import functools
-import zlib
-from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
 from .. import kernels
+from .base import StagedContext, _stable_hash
 
 __all__ = ["BucketLayout", "BucketContext", "SizeClass", "pack_signs", "unpack_signs"]
 
@@ -97,30 +97,12 @@ class BucketLayout:
         return f"BucketLayout({len(self)} tensors, {self.numel} elements, {self.dtype}, {self.device})"
 
 
-def _stable_hash(text: str) -> int:
-    return zlib.crc32(text.encode("utf-8"))
-
-
 @dataclass
-class BucketContext:
-    """What a method may know about the bucket it exchanges; state is staged as in :class:`TensorContext`
+class BucketContext(StagedContext):
+    """What a method may know about the bucket it exchanges; state is staged as in :class:`StagedContext`
     (flat tensors over the whole bucket), and committed by the owner with a device-side select."""
 
     layout: BucketLayout
-    step: int = 0
-    rank: int = 0
-    world_size: int = 1
-    seed: int = 0
-    state: dict = field(default_factory=dict)
-    updates: dict = field(default_factory=dict)
-    #: The epoch given to ``GradzipState.set_epoch``, or None (epoch-driven schedules then follow ``step``).
-    epoch: Optional[int] = None
-
-    def get(self, name: str, default: Any = None) -> Any:
-        return self.updates.get(name, self.state.get(name, default))
-
-    def set(self, name: str, value: Any) -> None:
-        self.updates[name] = value
 
     def draw_seed(self, *, shared: bool = True, salt: str = "") -> int:
         """A 31-bit seed for :func:`kernels.counter_uniforms` from (seed, first key, step[, rank]):
