@@ -93,6 +93,18 @@ class BucketLayout:
         """A per-tensor quantity repeated over each tensor's elements: a flat tensor of ``numel``."""
         return per_tensor.repeat_interleave(self.lengths, output_size=self.numel)
 
+    def chunk_lengths(self, size: int) -> torch.Tensor:
+        """The lengths of the chunks of ``size`` elements each tensor is cut into (its last one shorter,
+        none for an empty tensor), in bucket order, on the bucket's device: built once per size."""
+        cached = self.__dict__.setdefault("_chunk_lengths", {})
+        if size not in cached:
+            numels = torch.tensor(self.numels, dtype=torch.int64)
+            full, tail = numels // size, numels % size
+            lengths = torch.stack([torch.full_like(full, size), tail], 1).view(-1)
+            counts = torch.stack([full, (tail > 0).long()], 1).view(-1)
+            cached[size] = lengths.repeat_interleave(counts).to(self.device)
+        return cached[size]
+
     def __repr__(self) -> str:
         return f"BucketLayout({len(self)} tensors, {self.numel} elements, {self.dtype}, {self.device})"
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import math
-import weakref
 from typing import Optional
 
 import torch
@@ -150,23 +149,6 @@ def _segment(values: torch.Tensor, reduce: str, lengths: torch.Tensor) -> torch.
     construction), its ``reduce`` ("sum" or "max"), 0 for an empty segment.  ``unsafe=True`` skips
     segment_reduce's checks of the lengths, which read them from the device (a host sync on CUDA)."""
     return torch.segment_reduce(values, reduce, lengths=lengths, unsafe=True, initial=0.0)
-
-
-#: QSGD's chunk lengths per bucket layout and chunk size (built once per layout; see _chunk_lengths).
-_CHUNKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def _chunk_lengths(layout, size: int) -> torch.Tensor:
-    """The lengths of a bucket's QSGD chunks on its device: each tensor cut into chunks of ``size``
-    elements, its last one shorter, none for an empty tensor.  Built on the host once per layout."""
-    cached = _CHUNKS.setdefault(layout, {})
-    if size not in cached:
-        numels = torch.tensor(layout.numels, dtype=torch.int64)
-        full, tail = numels // size, numels % size
-        lengths = torch.stack([torch.full_like(full, size), tail], 1).view(-1)
-        counts = torch.stack([full, (tail > 0).long()], 1).view(-1)
-        cached[size] = lengths.repeat_interleave(counts).to(layout.device)
-    return cached[size]
 
 
 def qsgd_reference(x: torch.Tensor, s: int, u: torch.Tensor, bucket_size: int = 512,
@@ -427,7 +409,7 @@ class QSGD(GatheredCompressor):
         of ceil(log2(s+1)) + 1 bits (as :meth:`compress`'s) packed together:
         4 * chunks + ceil(n * bits / 8) bytes."""
         layout, s, n = b.layout, self.levels, b.layout.numel
-        lengths = _chunk_lengths(layout, self.bucket_size)
+        lengths = layout.chunk_lengths(self.bucket_size)
         ratio = p.abs()
         if not n:  # no chunk (segment_reduce takes no empty lengths)
             norms = p.new_zeros(0)

@@ -19,7 +19,6 @@ from ..bits import index_dtype
 from .base import AllGather, AllReduce, Compressor, Exchanged, GatheredCompressor, TensorContext, check_ratio
 from .base import value_dtype as _parse_value_dtype
 from .base import compare, count_true, workspace, zeroed
-from .quantize import _chunk_lengths
 from .registry import register
 
 
@@ -1063,7 +1062,7 @@ class CSC(SharedSparsifier):
         vdtype = self._vdtype or layout.dtype
         pre = b.world_size if vdtype.itemsize == 2 else 1
         firsts = _first_chunks(layout, c)
-        norms = yield AllReduce(torch.segment_reduce(p.abs(), "sum", lengths=_chunk_lengths(layout, c), unsafe=True))
+        norms = yield AllReduce(torch.segment_reduce(p.abs(), "sum", lengths=layout.chunk_lengths(c), unsafe=True))
         positions = []
         for size, first in zip(layout.classes, firsts):
             chunks = -(-size.numel // c)
@@ -1093,7 +1092,7 @@ _FIRSTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 def _first_chunks(layout, c: int) -> list:
     """Per size class, the index of each member's first chunk among the bucket's chunks of ``c``
-    elements (:func:`~.quantize._chunk_lengths`' order), as int64 device tensors built once per layout."""
+    elements (:meth:`BucketLayout.chunk_lengths`' order), as int64 device tensors built once per layout."""
     cached = _FIRSTS.setdefault(layout, {})
     if c not in cached:
         firsts = [sum(-(-m // c) for m in layout.numels[:i]) for i in range(len(layout))]
