@@ -356,3 +356,29 @@ def test_no_fused_kernel_runs_on_the_bucket_route(monkeypatch):
     GradzipState("efsignsgd", bucketed=False).exchange(_bucket()[1])  # its kernels may return None
     assert calls
 
+
+
+@pytest.mark.parametrize("ratio, power", [(0.1, 1), (0.3, 5), (0.05, 9)])
+def test_dgc_bucket_selection_is_select_per_tensor(ratio, power):
+    """DGC's bucket selection (every retry's threshold at once, then one count per tensor and retry)
+    picks per tensor what :meth:`DGC.select` picks from the same sample: as many elements, of the same
+    magnitudes (ties aside).  Heavy tails (|x|^power) put the sampled threshold too high, so retries run."""
+    from gradzip.compressors.base import TensorContext
+    from gradzip.compressors.bucket import BucketContext
+
+    shapes = [torch.Size(s) for s in [(8, 40), (40,), (8, 40), (30, 30), (5, 8), (0, 3), (64, 50), (3, 7)]]
+    dgc = make("dgc", ratio=ratio, warmup_epochs=0, min_numel=0, sample_ratio=0.05, feedback="none")
+    layout = BucketLayout([f"t{i}" for i in range(len(shapes))], shapes, torch.float32, torch.device("cpu"))
+    b = BucketContext(layout, step=3, seed=1)
+    p = torch.randn(layout.numel, generator=torch.Generator().manual_seed(power)) ** power
+    mask = dgc._bucket_mask(p, b)
+    draws = b.uniforms(len(layout), shared=False, salt="dgc")  # the sample starts the mask drew
+    for i, (shape, start, n) in enumerate(zip(shapes, layout.offsets, layout.numels)):
+        if len(shape) < 2 or not n:
+            continue
+        first = min(int(draws[i] * min(20, n)), min(20, n) - 1)
+        dgc.sample = lambda v, ctx, first=first: v[first::20]
+        want = dgc.select(p[start:start + n].clone(), TensorContext(f"t{i}", shape, torch.float32, step=3))
+        got = mask[start:start + n].nonzero().view(-1)
+        piece = p[start:start + n].abs()
+        assert torch.equal(piece[got].sort().values, piece[want].sort().values), i

@@ -880,8 +880,8 @@ class DGC(MaskedBucket, Sparsifier):
         return _whole_tensors(layout, self.min_numel)[0]
 
     def bucket_exchange(self, p, b):
-        """Per tensor the selection of :meth:`select`, size class by size class (:meth:`_bucket_mask`),
-        as one mask over the bucket; the exchange of the selected elements and its **one host read**:
+        """Per tensor the selection of :meth:`select`, for the whole bucket at once (:meth:`_bucket_mask`),
+        as one mask over it; the exchange of the selected elements and its **one host read**:
         :class:`MaskedBucket` (the number sent is data-dependent: fewer than k when too few pass the
         lowered thresholds).  The tensors sent whole are first averaged by one allreduce of x / N in
         the gradient's dtype, as feedback.py's dense path does per tensor.  Wire: their n_whole *
@@ -900,39 +900,25 @@ class DGC(MaskedBucket, Sparsifier):
         return result
 
     def _bucket_mask(self, p, b) -> torch.Tensor:
-        """:meth:`select` for every tensor of the bucket, as a bool over it: per size class, each row's
-        strided sample of |v| (start drawn by counter per rank), sorted once; the thresholds lowered
-        row by row where too few pass (``torch.where``, at most ``max_retries`` times); rows where more
-        than k pass keep their exact top k (one topk per class)."""
-        layout, stride = b.layout, max(1, round(1 / self.sample_ratio))
-        density = self.density(self._stage(b.epoch, b.step))
-        tiny = torch.finfo(torch.float32).smallest_normal * torch.finfo(torch.float32).eps
-        passed = torch.zeros(layout.numel, dtype=torch.bool, device=p.device)
-        for size in layout.classes:
-            n, span = size.numel, min(stride, size.numel)
-            k = math.ceil(density * n)
-            rows = layout.rows(p, size).abs()
-            starts = b.uniforms(len(size.members), shared=False, salt=f"dgc/{n}").mul_(span).long().clamp_(max=span - 1)
-            columns = starts.view(-1, 1) + stride * torch.arange(-(-n // stride), device=p.device)
-            outside = columns >= n
-            sample = rows.gather(1, columns.clamp(max=n - 1)).masked_fill_(outside, -1.0)
-            sample = sample.sort(dim=1, descending=True).values  # |v| >= 0: the padding last
-            s = (~outside).sum(dim=1, keepdim=True)
-            r = torch.ceil(s.double() * density).long()
-            threshold = sample.gather(1, r - 1)
-            chosen = rows >= threshold.clamp_min(tiny)
-            count = chosen.sum(dim=1, keepdim=True)
-            for retry in range(1, self.max_retries + 1):
-                # As in select: twice as far down the sample, but at most halved; rows with enough stay.
-                lower = sample.gather(1, torch.minimum(r * 2**retry, s) - 1)
-                lowered = torch.where(lower < threshold, torch.maximum(lower, threshold / 2), threshold / 2)
-                threshold = torch.where(count < math.ceil(self.lower_bound * k), lowered, threshold)
-                chosen = rows >= threshold.clamp_min(tiny)
-                count = chosen.sum(dim=1, keepdim=True)
-            top = torch.zeros_like(chosen).scatter_(1, rows.topk(k, dim=1, sorted=False).indices, True)
-            chosen = torch.where(count > k, top, chosen)  # hierarchical top-k: the k largest of the candidates
-            passed.index_put_(((size.starts.view(-1, 1) + torch.arange(n, device=p.device)).view(-1),), chosen.view(-1))
-        return passed
+        """:meth:`select` for every tensor of the bucket at once, as a bool over it (the tensors sent
+        whole are left to the caller): each tensor's strided sample of |v| from a start drawn by
+        counter per rank, sorted once for the whole bucket (:func:`_sorted_samples`); every retry's
+        threshold from it (:func:`_retry_thresholds`); the elements passing each of them counted in
+        one comparison, and the first threshold passing at least 0.8 k kept (the last one where none
+        does); tensors where more than k pass keep their exact top k (one ``topk`` per size class)."""
+        layout, absp = b.layout, torch.abs(p)
+        plan = _dgc_plan(layout, max(1, round(1 / self.sample_ratio)), self.min_numel,
+                         self.density(self._stage(b.epoch, b.step)), self.lower_bound, self.max_retries)
+        if plan is None:  # every tensor is sent whole
+            return torch.zeros(layout.numel, dtype=torch.bool, device=p.device)
+        sample, short = _sorted_samples(absp, plan, b.uniforms(len(layout), shared=False, salt="dgc"))
+        lower = sample.take(torch.where(short, plan.ranks_short, plan.ranks_full))  # (retries + 1, tensors)
+        thresholds = _retry_thresholds(lower).clamp_min_(_TINY)  # zeros are never sent (see _at_least)
+        counts = _counts_at_least(absp, thresholds, plan)
+        first = (counts >= plan.enough).byte().argmax(0, keepdim=True)  # enough is -inf at the last retry
+        candidates = absp >= layout.per_element(thresholds.gather(0, first).view(-1))
+        too_many = counts.gather(0, first).view(-1) > plan.k
+        return torch.where(layout.per_element(too_many), _class_top_k(absp, layout, plan), candidates)
 
     def bucket_payload_bytes(self, layout, kept: Optional[int] = None) -> int:
         whole = sum(n for n, shape in zip(layout.numels, layout.shapes) if not _compressed(shape, self.min_numel))
@@ -960,6 +946,123 @@ def _whole_tensors(layout, min_numel: int) -> tuple:
         cached[min_numel] = (None, None) if not bool(whole.any()) else \
             (whole.to(layout.device), torch.from_numpy(np.flatnonzero(whole.numpy())).to(layout.device))
     return cached[min_numel]
+
+
+#: The smallest positive float32 (a subnormal): a threshold clamped to it never selects a zero.
+_TINY = torch.finfo(torch.float32).smallest_normal * torch.finfo(torch.float32).eps
+
+
+class _DGCPlan:
+    """What DGC's bucket selection needs of a layout at one stride, min_numel, density and retry rule,
+    as device tensors built once (see :func:`_dgc_plan`).  The sample is laid out in *slots*: tensor i
+    (compressed and not empty) owns W_i = ceil(n_i / stride) consecutive slots, one per strided position
+    from start 0; a random start moves them all, and the last one may then fall past the tensor
+    ("short": a sample of W_i - 1).
+
+    ``slot_tensor``, ``slot_base``, ``slot_last``: per slot, its tensor, its position in the bucket from
+    start 0, and its tensor's last position.  ``span`` (float32) and ``span_max``: per tensor, the starts
+    drawn, 0 to span - 1 (span = min(stride, n)).  ``last_slot``: per tensor, its last slot.
+    ``ranks_full``, ``ranks_short``: per retry j = 0..R (rows) and tensor (columns), the slot of the
+    sample's min(r 2^j, s)-th largest value once sorted, r = ceil(density s), for a sample of s = W
+    (full) or W - 1 (short).  ``enough``: per retry and tensor, ceil(lower_bound k) (float64), -inf at
+    the last retry (taken when none before passed enough).  ``k``: per tensor, ceil(density n) (float64).
+    ``lengths``: the layout's tensor lengths; ``repeated_lengths``: those repeated R + 1 times (the
+    segments of :func:`_counts_at_least`).
+    ``classes``: (members, k, starts as a column) of each size class with a compressed tensor.
+    ``true``: a 0-d True to write with.
+    """
+
+    def __init__(self, layout, stride: int, min_numel: int, density: float, lower_bound: float, retries: int):
+        tensor, base, last, last_slot, full, short, spans, enough, ks = [], [], [], [], [], [], [], [], []
+        for i, (shape, offset, n) in enumerate(zip(layout.shapes, layout.offsets, layout.numels)):
+            k = math.ceil(density * n)
+            ks.append(float(k))
+            enough.append([float(math.ceil(lower_bound * k))] * retries + [-math.inf])
+            spans.append(max(1, min(stride, n)))
+            width = -(-n // stride) if n and _compressed(shape, min_numel) else 0
+            first = len(tensor)
+            tensor += [i] * width
+            base += range(offset, offset + stride * width, stride)
+            last += [offset + n - 1] * width
+            last_slot.append(first + width - 1 if width else 0)
+            for ranks, s in ((full, width), (short, max(width - 1, 1))):
+                r = math.ceil(s * density)
+                ranks.append([first + min(r << j, s) - 1 if width else 0 for j in range(retries + 1)])
+        self.sampled = bool(tensor)
+
+        def device(values, dtype=torch.int64):
+            return torch.tensor(values, dtype=dtype, device=layout.device)
+
+        self.slot_tensor, self.slot_base, self.slot_last = device(tensor), device(base), device(last)
+        self.span, self.span_max = device(spans, torch.float32), device([s - 1 for s in spans])
+        self.last_slot = device(last_slot)
+        self.ranks_full, self.ranks_short = device(full).T.contiguous(), device(short).T.contiguous()
+        self.enough, self.k = device(enough, torch.float64).T.contiguous(), device(ks, torch.float64)
+        self.lengths, self.repeated_lengths = layout.lengths, layout.lengths.repeat(retries + 1)
+        self.classes = [(size.members, math.ceil(density * size.numel), size.starts.view(-1, 1))
+                        for size in layout.classes
+                        if any(_compressed(layout.shapes[i], min_numel) for i in size.members)]
+        self.true = torch.ones((), dtype=torch.bool, device=layout.device)
+
+
+#: Per bucket layout: DGC's plans by (stride, min_numel, density, lower_bound, retries).
+_PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _dgc_plan(layout, *key) -> Optional[_DGCPlan]:
+    """The layout's :class:`_DGCPlan` for ``key`` = (stride, min_numel, density, lower_bound, retries),
+    built once; None where no tensor of it is sampled (every one is sent whole or empty)."""
+    cached = _PLANS.setdefault(layout, {})
+    if key not in cached:
+        cached[key] = _DGCPlan(layout, *key)
+    return cached[key] if cached[key].sampled else None
+
+
+def _sorted_samples(absp: torch.Tensor, plan: _DGCPlan, uniforms: torch.Tensor) -> tuple:
+    """(every sampled tensor's strided sample of ``absp``, sorted in descending order within the tensor's
+    slots, a slot past the tensor last (as -1: below every |v|); per tensor whether its sample is
+    short), the start of tensor i being floor(uniforms[i] span_i).  One sort by value, then a stable
+    one by tensor."""
+    starts = torch.minimum(uniforms.mul_(plan.span).long(), plan.span_max)
+    positions = plan.slot_base + starts.index_select(0, plan.slot_tensor)
+    outside = positions > plan.slot_last
+    values = absp.index_select(0, torch.minimum(positions, plan.slot_last)).masked_fill_(outside, -1.0)
+    values, order = values.sort(descending=True, stable=True)
+    by_tensor = plan.slot_tensor.index_select(0, order).sort(stable=True).indices
+    return values.index_select(0, by_tensor), outside.index_select(0, plan.last_slot)
+
+
+def _retry_thresholds(lower: torch.Tensor) -> torch.Tensor:
+    """DGC's threshold at each retry j = 0..R (rows, one column per tensor) from ``lower``, the sample's
+    r-th, 2r-th, ..., 2^R r-th largest values: the first is the r-th, and each next one the next of
+    those, but never below half the previous threshold, and half of it where the sample goes no lower."""
+    rows = lower.unbind(0)
+    thresholds = [rows[0]]
+    for value in rows[1:]:
+        half = thresholds[-1] / 2
+        thresholds.append(torch.where(value < thresholds[-1], torch.maximum(value, half), half))
+    return torch.stack(thresholds)
+
+
+def _counts_at_least(absp: torch.Tensor, thresholds: torch.Tensor, plan: _DGCPlan) -> torch.Tensor:
+    """Per threshold (rows) and tensor (columns), how many of the tensor's elements of ``absp`` are >=
+    it: one comparison of the bucket with every row, and one 1-D segmented sum over the rows laid end
+    to end (float64: exact counts; a 2-D ``segment_reduce`` would loop over each segment in a single
+    CUDA thread, while a 1-D one is CUB's segmented reduction)."""
+    per_element = thresholds.repeat_interleave(plan.lengths, dim=1, output_size=absp.numel())
+    passing = torch.ge(absp, per_element).double()
+    return torch.segment_reduce(passing.view(-1), "sum", lengths=plan.repeated_lengths, unsafe=True).view(thresholds.shape)
+
+
+def _class_top_k(absp: torch.Tensor, layout, plan: _DGCPlan) -> torch.Tensor:
+    """Each compressed tensor's k largest of ``absp`` as a bool over the bucket: one ``topk`` over the
+    stacked rows of each size class (with a compressed member; the others' rows are left False)."""
+    top = torch.zeros(layout.numel, dtype=torch.bool, device=absp.device)
+    parts = absp.split(layout.numels)
+    for members, k, starts in plan.classes:
+        rows = torch.stack([parts[i] for i in members]) if len(members) > 1 else parts[members[0]].view(1, -1)
+        top.index_put_((rows.topk(k, dim=1, sorted=False).indices.add_(starts),), plan.true)
+    return top
 
 
 
