@@ -209,7 +209,7 @@ class BucketRoute:
         entry.skipped.set(bad)
         for key in keys:
             state.steps[key] = b.step + 1
-        _count(state.totals, report, layout, result, compressor)
+        _count(state.totals, report, layout, result)
         state.last_report = report
         return outputs
 
@@ -236,7 +236,7 @@ def _write(aggregate, poison, out, flat_out, layout):
     return list(out)
 
 
-def _count(totals: dict, report, layout: BucketLayout, result, compressor) -> None:
+def _count(totals: dict, report, layout: BucketLayout, result) -> None:
     totals["exchanges"] += 1
     totals["elements"] += layout.numel
     totals["elements_sent"] += layout.numel if result.sparse is None else result.sparse[0].numel()
