@@ -358,9 +358,14 @@ def format_table(result: dict) -> str:
 
 def main(methods: Optional[Sequence[str]] = None, *, json_out: Optional[str] = None, echo=print, **kwargs) -> dict:
     result = run(methods, progress=lambda s: echo(s), **kwargs)
-    echo(format_table(result))
+    report(result, format_table(result), json_out, echo)
+    return result
+
+
+def report(result: dict, table: str, json_out: Optional[str], echo) -> None:
+    """Print a benchmark's table and write its result as JSON to ``json_out`` (when given)."""
+    echo(table)
     if json_out:
         with open(json_out, "w") as f:
             json.dump(result, f, indent=2)
         echo(f"wrote {json_out}")
-    return result

@@ -39,7 +39,6 @@ first, so that the process's own first steps (CUDA context, kernel loading, thre
 from __future__ import annotations
 
 import gc
-import json
 import os
 import statistics
 import sys
@@ -57,7 +56,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import gradzip
 from ..harness.data import DatasetInfo
 from ..harness.models import GPT
-from .kernels import BENCH_PARAMS, machine
+from .kernels import BENCH_PARAMS, machine, report
 
 __all__ = ["BASELINES", "defaults", "run", "format_table", "main"]
 
@@ -304,9 +303,5 @@ def format_table(result: dict) -> str:
 def main(methods: Optional[Sequence[str]] = None, *, json_out: Optional[str] = None, echo=print, **kwargs) -> dict:
     result = run(methods, progress=echo, **kwargs)
     if result["env"]["world_size"] == 1 or int(os.environ.get("RANK", "0")) == 0:
-        echo(format_table(result))
-        if json_out:
-            with open(json_out, "w") as f:
-                json.dump(result, f, indent=2)
-            echo(f"wrote {json_out}")
+        report(result, format_table(result), json_out, echo)
     return result
