@@ -1,6 +1,9 @@
-"""``gradzip bench step`` on a CPU with a tiny GPT: every row measured, counts taken, JSON written."""
+"""``gradzip bench step`` on a CPU with a tiny GPT: every row measured, counts taken, JSON written;
+contenders in child processes (isolate) or in this one, repeated, ratios per repeat."""
 import json
 import math
+import os
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -16,7 +19,8 @@ TINY = dict(device="cpu", width=32, depth=1, context=16, batch=2, vocab=64, step
 def test_every_row_measured_and_json_written(tmp_path):
     out = tmp_path / "step.json"
     lines = []
-    result = step.main(["ddp", "torch-fp16", "none", "topk", "fp16"], json_out=str(out), echo=lines.append, **TINY)
+    result = step.main(["ddp", "torch-fp16", "none", "topk", "fp16"], json_out=str(out), echo=lines.append,
+                       isolate=False, **TINY)
     assert not dist.is_initialized()  # the command's own one-process group is gone again
     rows = {r["method"]: r for r in result["rows"]}
     assert list(rows) == ["ddp", "torch-fp16", "none", "topk", "fp16"]
@@ -26,7 +30,10 @@ def test_every_row_measured_and_json_written(tmp_path):
             assert math.isfinite(r[key]) and r[key] > 0, (name, key, r[key])
         assert r["aten_ops"] > 0 and r["host_reads"] >= 0 and r["launches"] == 0 and r["syncs"] == 0
         assert r["peak_mb"] is None and r["all_threads"] is True
-    assert rows["ddp"]["x_ddp"] == 1.0
+    assert rows["ddp"]["x_ddp"] == 1.0 and rows["torch-fp16"]["x_fp16"] == 1.0
+    assert rows["topk"]["x_fp16"] == pytest.approx(rows["topk"]["ms"] / rows["torch-fp16"]["ms"])
+    assert {r["pid"] for r in result["runs"]} == {os.getpid()}  # in process
+    assert result["config"]["isolate"] is False and rows["topk"]["repeats"] == 1
     # Top-k selects and scatters: more operations per step than plain DDP's allreduce.
     assert rows["topk"]["aten_ops"] > rows["ddp"]["aten_ops"]
     saved = json.loads(out.read_text())
@@ -46,7 +53,7 @@ def test_a_failing_contender_is_a_row(monkeypatch):
         return attach(name, ddp)
 
     monkeypatch.setattr(step, "_attach", broken)
-    result = step.run(["none", "fp16"], **TINY)
+    result = step.run(["none", "fp16"], isolate=False, **TINY)
     bad, good = result["rows"]
     assert bad == {"method": "none", "error": "RuntimeError: boom"}
     assert good["ms"] > 0 and good["x_ddp"] is None  # no ddp row to compare with
@@ -68,14 +75,117 @@ def test_cli(tmp_path):
     bad = runner.invoke(app, ["bench", "step", "--device", "cpu", "--methods", "ddp,nosuch"])
     assert bad.exit_code == 2 and "unknown method(s) nosuch" in bad.output
     out = tmp_path / "cli.json"
+    assert "--no-isolate" in help_text.output and "--repeats" in help_text.output
     ok = runner.invoke(app, ["bench", "step", "--device", "cpu", "--width", "32", "--depth", "1", "--context", "16",
-                             "--steps", "1", "--warmup", "0", "--methods", "ddp", "--json", str(out)])
+                             "--steps", "1", "--warmup", "0", "--methods", "ddp", "--json", str(out), "--no-isolate",
+                             "--repeats", "2"])
     assert ok.exit_code == 0, ok.output
-    assert json.loads(out.read_text())["rows"][0]["ms"] > 0
+    saved = json.loads(out.read_text())
+    assert saved["rows"][0]["ms"] > 0 and saved["rows"][0]["repeats"] == 2 and len(saved["runs"]) == 2
+    assert saved["config"]["isolate"] is False and saved["config"]["repeats"] == 2
+    assert "repeat 2 of 2" in ok.output and "median of 2 repeats" in " ".join(ok.output.split())
+    zero = runner.invoke(app, ["bench", "step", "--device", "cpu", "--methods", "ddp", "--repeats", "0"])
+    assert zero.exit_code == 2 and "repeats must be" in zero.output
 
 
 @pytest.mark.parametrize("kwargs, message", [(dict(amp="fp16"), "amp"), (dict(steps=0), "steps"),
-                                             (dict(device="tpu"), "device"), (dict(warmup=-1), "warmup")])
+                                             (dict(device="tpu"), "device"), (dict(warmup=-1), "warmup"),
+                                             (dict(repeats=0), "repeats")])
 def test_bad_options_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         step.run(["ddp"], **{**TINY, **kwargs})
+
+
+def test_isolated_and_repeated(tmp_path):
+    """Each contender in a child process of its own, the list run twice in turn: medians, spread, ratios."""
+    out = tmp_path / "iso.json"
+    lines = []
+    result = step.main(["ddp", "topk"], json_out=str(out), echo=lines.append, isolate=True, repeats=2, **TINY)
+    assert not dist.is_initialized()
+    runs = result["runs"]
+    assert [(r["method"], r["repeat"]) for r in runs] == [("ddp", 0), ("topk", 0), ("ddp", 1), ("topk", 1)]
+    pids = [r["pid"] for r in runs]
+    assert len(set(pids)) == 4 and os.getpid() not in pids  # four fresh processes
+    rows = {r["method"]: r for r in result["rows"]}
+    assert list(rows) == ["ddp", "topk"]
+    for name, r in rows.items():
+        assert "error" not in r, (name, r.get("error"))
+        mine = [x["ms"] for x in runs if x["method"] == name]
+        assert r["repeats"] == 2 and r["ms_lo"] == min(mine) and r["ms_hi"] == max(mine)
+        assert r["ms"] == pytest.approx(sum(mine) / 2)  # the median of two
+        assert math.isfinite(r["spread"]) and r["spread"] == pytest.approx(max(mine) / min(mine) - 1)
+        for key in ("ms", "min_ms", "first_ms", "aten_ops"):
+            assert math.isfinite(r[key]) and r[key] > 0, (name, key, r[key])
+        assert r["x_fp16"] is None  # no torch-fp16 among the contenders
+    assert rows["ddp"]["x_ddp"] == 1.0
+    per_repeat = [runs[1]["ms"] / runs[0]["ms"], runs[3]["ms"] / runs[2]["ms"]]
+    assert rows["topk"]["x_ddp"] == pytest.approx(sum(per_repeat) / 2)
+    assert rows["topk"]["aten_ops"] > rows["ddp"]["aten_ops"]
+    assert result["config"]["isolate"] is True and result["config"]["repeats"] == 2
+    assert result["env"]["world_size"] == 1 and result["env"]["torch"]
+    assert json.loads(out.read_text())["rows"] == result["rows"]
+    table = "\n".join(lines)
+    flat = " ".join(table.split())
+    assert "topk (repeat 2 of 2) ..." in table and "process of its own" in flat and "median of 2 repeats" in flat
+    assert "%" in next(line for line in table.splitlines() if line.startswith("topk   "))
+    assert max(len(line) for line in table.splitlines()) <= 100
+
+
+def test_a_failing_child_is_a_row(monkeypatch):
+    """A child that exits non-zero is an error row with its stderr's last line; one that exits 0 with no
+    JSON too; the others' rows stand.  The children here are stand-ins, not the benchmark."""
+    argv = step._child_argv
+
+    def fake(name, cfg, device, json_path):
+        assert argv(name, cfg, device, json_path)[1:3] == ["-m", "gradzip"]
+        if name == "topk":
+            return [sys.executable, "-c", "import sys; sys.stderr.write('warning\\nchild boom\\n\\n'); sys.exit(3)"]
+        if name == "fp16":
+            return [sys.executable, "-c", "pass"]
+        row = dict(method="ddp", repeat=0, pid=1, ms=2.0, min_ms=1.0, first_ms=3.0, peak_mb=None, note="",
+                   launches=0.0, syncs=0.0, aten_ops=10.0, host_reads=1.0, all_threads=True)
+        code = f"import json; json.dump({{'env': {{}}, 'runs': [{row!r}]}}, open({json_path!r}, 'w'))"
+        return [sys.executable, "-c", code]
+
+    monkeypatch.setattr(step, "_child_argv", fake)
+    result = step.run(["ddp", "topk", "fp16"], isolate=True, repeats=2, **TINY)
+    ddp, topk, fp16 = result["rows"]
+    assert ddp["ms"] == 2.0 and ddp["x_ddp"] == 1.0 and ddp["spread"] == 0.0
+    assert topk == {"method": "topk", "error": "child exited 3: child boom (2 of 2 repeats)"}
+    assert fp16 == {"method": "fp16", "error": "child exited 0: no output (2 of 2 repeats)"}
+    assert "topk             error: child exited 3: child boom" in step.format_table(result)
+
+
+def test_table_fits_100_columns():
+    """CUDA columns, the longest method name and DGC's long note: no line over 100 columns."""
+    def row(method, note):
+        return dict(method=method, ms=30.41, min_ms=1.0, first_ms=1234.5, peak_mb=4948.0, note=note, launches=1234.0,
+                    syncs=0.5, aten_ops=1.0, host_reads=123.0, all_threads=True, x_ddp=1.0, x_fp16=0.95, repeats=3,
+                    spread=0.123)
+
+    result = dict(env=dict(device="cuda:0", gpu="NVIDIA H200", cpu="x", torch="2.11", world_size=1, backend="nccl"),
+                  config=dict(parameters=109_000_000, width=1024, depth=8, context=256, vocab=8192, batch=16,
+                              amp="bf16", bucket_mb=25, steps=30, warmup=3, profile_steps=2, repeats=3, isolate=True),
+                  rows=[row("adaptive_threshold", ""), row("dgc", "ratio=0.001,warmup_epochs=0,SGD"),
+                        row("torch-powersgd", "rank 4")])
+    table = step.format_table(result)
+    assert max(len(line) for line in table.splitlines()) <= 100
+    assert "note: ratio=0.001,warmup_epochs=0,SGD" in table and " 12.3% " in table and "launches" in table
+    assert next(line for line in table.splitlines() if line.startswith("torch-powersgd")).endswith("  rank 4")
+
+
+def test_ratios_are_per_repeat_medians():
+    """x DDP is the median of each repeat's ratio, not the ratio of the medians."""
+    def run(method, repeat, ms):
+        return dict(method=method, repeat=repeat, ms=ms, min_ms=ms, first_ms=ms, peak_mb=None, note="",
+                    launches=0.0, syncs=0.0, aten_ops=1.0, host_reads=0.0, all_threads=True)
+
+    runs = [run("ddp", 0, 10.0), run("torch-fp16", 0, 20.0), run("topk", 0, 20.0),
+            run("ddp", 1, 40.0), run("torch-fp16", 1, 40.0), run("topk", 1, 40.0),
+            run("ddp", 2, 20.0), run("torch-fp16", 2, 10.0), run("topk", 2, 100.0)]
+    rows = {r["method"]: r for r in step._aggregate(runs, ["ddp", "torch-fp16", "topk"])}
+    assert rows["topk"]["ms"] == 40.0 and rows["topk"]["ms_lo"] == 20.0 and rows["topk"]["ms_hi"] == 100.0
+    assert rows["topk"]["spread"] == 4.0
+    assert rows["topk"]["x_ddp"] == 2.0  # ratios 2, 1, 5 (the medians' ratio would be 40 / 20 = 2 too)
+    assert rows["torch-fp16"]["x_ddp"] == 1.0  # ratios 2, 1, 0.5; medians' ratio 20 / 20
+    assert rows["topk"]["x_fp16"] == 1.0  # ratios 1, 1, 10; medians' ratio 40 / 20 = 2

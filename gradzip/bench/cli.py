@@ -57,6 +57,10 @@ def step(
     methods: Optional[str] = typer.Option(None, help="comma-separated: ddp, torch-allreduce, torch-fp16, torch-bf16, "
                                                      "torch-powersgd and gradzip methods (default: all)"),
     seed: int = 0,
+    repeats: int = typer.Option(1, help="run the whole contender list this many times in turn; medians, spread"),
+    isolate: Optional[bool] = typer.Option(None, "--isolate/--no-isolate",
+                                           help="each contender in a fresh Python process (default: at world "
+                                                "size 1; under torchrun all run in the ranks' processes)"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write every number and the environment here"),
 ):
     """ms per DDP training step, x DDP, first step, peak memory, kernel launches and host syncs of DDP,
@@ -70,6 +74,7 @@ def step(
     try:
         main(names, device=device, width=width, depth=depth, context=context, batch=batch, vocab=vocab, steps=steps,
              warmup=warmup, amp=amp, bucket_mb=bucket_mb, profile_steps=profile_steps, seed=seed,
+             repeats=repeats, isolate=isolate,
              json_out=str(json_out) if json_out else None, echo=typer.echo)
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)

@@ -1,7 +1,8 @@
 """Step benchmark: what one whole DDP training step costs with each communication hook.
 
 ``gradzip bench step`` trains a GPT (``gradzip.harness.models.GPT`` on random tokens, AdamW, bf16
-autocast on CUDA) under DDP with each contender in turn, in one process, from the same seed:
+autocast on CUDA) under DDP with each contender in turn (each in a process of its own by default, see
+below), from the same seed:
 
 - ``ddp``: DDP with no hook (its C++ allreduce);
 - PyTorch's own hooks (``torch.distributed.algorithms.ddp_comm_hooks``): ``torch-allreduce``,
@@ -31,18 +32,31 @@ the calling thread counts and ``all_threads`` is false).  Counted per step:
   CPU tensors count too (AdamW reads its CPU step counters, one per parameter), so on CUDA ``syncs``, not
   this, says how often the host waited for the GPU.
 
-Under torchrun (WORLD_SIZE > 1) every rank runs the same contenders and rank 0 reports its own
-numbers; alone, the command makes a one-process group itself (gloo on CPU, NCCL on CUDA, FileStore).
-A contender that raises is a row with its error; the others still run.  An untimed plain-DDP run comes
-first, so that the process's own first steps (CUDA context, kernel loading, thread pools) count for nobody.
+Alone (world size 1) each contender runs by default in a Python process of its own (``isolate``:
+``python -m gradzip bench step --methods NAME --no-isolate --json FILE`` with the same options and
+environment), so that no contender's peak memory, allocator cache or warm kernels reach the next; a child
+that fails is a row with the last line of its stderr.  ``repeats`` > 1 runs the whole list again, in the
+same order, that many times: a row gives the median over repeats of each number (``peak_mb`` their
+maximum), ``ms_lo``/``ms_hi`` the fastest and slowest repeat's ``ms``, ``spread`` = ms_hi / ms_lo - 1,
+and the ratios ``x_ddp`` (ms over DDP's) and ``x_fp16`` (over ``torch-fp16``'s) are taken within each
+repeat, then their median; ``runs`` in the result keeps every repeat's row.
+
+Under torchrun (WORLD_SIZE > 1) every rank runs the same contenders in its own process (no isolation)
+and rank 0 reports its own numbers; alone without isolation, the command makes a one-process group
+itself (gloo on CPU, NCCL on CUDA, FileStore).  A contender that raises is a row with its error; the
+others still run.  In each process an untimed plain-DDP run comes first, so that the process's own first
+steps (CUDA context, kernel loading, thread pools) count for nobody.
 """
 from __future__ import annotations
 
 import gc
+import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 import warnings
 from collections import Counter
@@ -188,23 +202,114 @@ def _contender(name: str, cfg: dict, device: torch.device, x: torch.Tensor, y: t
         if state is not None:
             state.close()
     return {"ms": statistics.median(times), "min_ms": min(times), "first_ms": first, "peak_mb": peak,
-            "note": note, **counts}
+            "note": note, "pid": os.getpid(), **counts}
+
+
+def _world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+#: A repeat's own numbers for one contender (what a child process hands back).
+RUN_KEYS = ("method", "repeat", "pid", "error", "ms", "min_ms", "first_ms", "peak_mb", "note", "launches", "syncs",
+            "aten_ops", "host_reads", "all_threads")
+
+
+def _child_argv(name: str, cfg: dict, device: torch.device, json_path: str) -> list:
+    """The command line that measures contender ``name`` alone in a fresh process."""
+    argv = [sys.executable, "-m", "gradzip", "bench", "step", "--no-isolate", "--repeats", "1",
+            "--device", str(device), "--methods", name, "--json", json_path, "--seed", str(cfg["seed"]),
+            "--bucket-mb", repr(cfg["bucket_mb"]), "--profile-steps", str(cfg["profile_steps"])]
+    for key in ("width", "depth", "context", "batch", "vocab", "steps", "warmup", "amp"):
+        argv += [f"--{key}", str(cfg[key])]
+    return argv
+
+
+def _child(name: str, cfg: dict, device: torch.device) -> tuple:
+    """Run ``name`` in a child process; returns (its row, its env or None).  A child that exits non-zero or
+    writes no row is an error row with the last line of its stderr."""
+    fd, path = tempfile.mkstemp(prefix="gradzip_step_", suffix=".json")
+    os.close(fd)
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(gradzip.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))  # this very gradzip
+    try:
+        proc = subprocess.run(_child_argv(name, cfg, device, path), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env)
+        data = None
+        if proc.returncode == 0:
+            try:
+                with open(path) as f:
+                    data = json.load(f)
+            except (OSError, ValueError):
+                data = None
+        runs = (data or {}).get("runs") or []
+        if runs:
+            return {k: v for k, v in runs[0].items() if k in RUN_KEYS}, data.get("env")
+        last = next((line.strip() for line in reversed(proc.stderr.splitlines()) if line.strip()), "no output")
+        return {"method": name, "error": f"child exited {proc.returncode}: {last}"[:200]}, None
+    finally:
+        os.unlink(path)
+
+
+def _ratios(mine: list, base: dict) -> list:
+    """Per repeat, this contender's ms over the baseline's in the same repeat (where both ran)."""
+    return [r["ms"] / base[r["repeat"]] for r in mine if base.get(r["repeat"])]
+
+
+def _aggregate(runs: list, names: Sequence[str]) -> list:
+    """One row per contender from every repeat's rows: medians, range, spread and per-repeat ratios."""
+    def baseline(name):
+        return {r["repeat"]: r["ms"] for r in runs if r["method"] == name and "ms" in r}
+
+    dense, fp16 = baseline("ddp"), baseline("torch-fp16")
+    rows = []
+    for name in names:
+        mine = [r for r in runs if r["method"] == name]
+        failed = [r for r in mine if "error" in r]
+        if failed:
+            error = failed[0]["error"] + (f" ({len(failed)} of {len(mine)} repeats)" if len(mine) > 1 else "")
+            rows.append({"method": name, "error": error})
+            continue
+
+        def median(key):
+            values = [r[key] for r in mine]
+            return None if None in values else statistics.median(values)
+
+        ms = [r["ms"] for r in mine]
+        peaks = [r["peak_mb"] for r in mine]
+        x_ddp, x_fp16 = _ratios(mine, dense), _ratios(mine, fp16)
+        rows.append({"method": name, "ms": statistics.median(ms), "min_ms": min(r["min_ms"] for r in mine),
+                     "first_ms": median("first_ms"), "peak_mb": None if None in peaks else max(peaks),
+                     "note": mine[0]["note"], **{k: median(k) for k in ("launches", "syncs", "aten_ops", "host_reads")},
+                     "all_threads": all(r["all_threads"] for r in mine),
+                     "x_ddp": statistics.median(x_ddp) if x_ddp else None,
+                     "x_fp16": statistics.median(x_fp16) if x_fp16 else None,
+                     "repeats": len(mine), "ms_lo": min(ms), "ms_hi": max(ms), "spread": max(ms) / min(ms) - 1})
+    return rows
 
 
 def run(methods: Optional[Sequence[str]] = None, *, device: Optional[str] = None, seed: int = 0,
-        bucket_mb: float = 25.0, profile_steps: int = 2, progress: Optional[Callable[[str], None]] = None,
-        **options) -> dict:
-    """Run every contender; returns a JSON-ready dict (see :func:`format_table`).  ``options`` override
-    :data:`DEFAULTS` (width, depth, context, batch, vocab, steps, warmup, amp)."""
+        bucket_mb: float = 25.0, profile_steps: int = 2, repeats: int = 1, isolate: Optional[bool] = None,
+        progress: Optional[Callable[[str], None]] = None, **options) -> dict:
+    """Run every contender ``repeats`` times in turn; returns a JSON-ready dict (see :func:`format_table`).
+    ``isolate`` (default: at world size 1) runs each contender in a process of its own.  ``options``
+    override :data:`DEFAULTS` (width, depth, context, batch, vocab, steps, warmup, amp)."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device.split(":")[0] not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if isolate is None:
+        isolate = _world_size() == 1
+    if isolate and _world_size() > 1:
+        raise ValueError("--isolate runs at world size 1 only (under torchrun use --no-isolate)")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
     dev = torch.device(device)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError("--device cuda: this torch sees no CUDA GPU")
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", dev.index or 0)))
-        torch.cuda.set_device(dev)
+        if not isolate:  # the parent of isolated runs touches no GPU memory
+            torch.cuda.set_device(dev)
     cfg = {**defaults(dev.type), **{k: v for k, v in options.items() if v is not None}}
     unknown = set(cfg) - set(DEFAULTS["cpu"])
     if unknown:
@@ -224,39 +329,49 @@ def run(methods: Optional[Sequence[str]] = None, *, device: Optional[str] = None
     if bad:
         raise ValueError(f"unknown method(s) {', '.join(bad)}; valid: {', '.join(valid)}")
 
-    owned = _init_group(dev)
-    try:
-        gen = torch.Generator().manual_seed(seed)
-        tokens = torch.randint(cfg["vocab"], (cfg["batch"], cfg["context"] + 1), generator=gen).to(dev)
-        x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-        # The process's own first steps (thread pools, CUDA context and kernels, allocator) would
-        # otherwise land on the first contender: an untimed plain-DDP run takes them.
-        _contender("ddp", {**cfg, "steps": 1, "warmup": 1, "profile_steps": 1}, dev, x, y)
-        rows = []
-        for name in names:
-            if progress and dist.get_rank() == 0:
-                progress(f"{name} ...")
-            try:
-                row = {"method": name, **_contender(name, cfg, dev, x, y)}
-            except Exception as exc:  # a broken contender is a row, not the end of the table
-                msg = (str(exc).strip().splitlines() or [""])[0]
-                row = {"method": name, "error": f"{type(exc).__name__}: {msg}"[:200]}
-            rows.append(row)
-            gc.collect()
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
-        dense = next((r["ms"] for r in rows if r["method"] == "ddp" and "ms" in r), None)
-        for r in rows:
-            if "ms" in r:
-                r["x_ddp"] = r["ms"] / dense if dense else None
-        with torch.device("meta"):
-            params = sum(p.numel() for p in _model(cfg).parameters())
-        env = {**machine(dev), "world_size": dist.get_world_size(), "backend": dist.get_backend(),
-               "command": " ".join(getattr(sys, "orig_argv", sys.argv))}
-        return {"env": env, "config": {**cfg, "parameters": params}, "rows": rows}
-    finally:
-        if owned:
-            dist.destroy_process_group()
+    def tell(name, repeat):
+        if progress and (isolate or dist.get_rank() == 0):
+            progress(f"{name} ..." if repeats == 1 else f"{name} (repeat {repeat + 1} of {repeats}) ...")
+
+    runs, env = [], None
+    if isolate:
+        for repeat in range(repeats):
+            for name in names:
+                tell(name, repeat)
+                row, child_env = _child(name, cfg, dev)
+                runs.append({**row, "repeat": repeat})
+                env = env or child_env
+        env = {**(env or {**machine(dev), "world_size": 1, "backend": "nccl" if dev.type == "cuda" else "gloo"})}
+    else:
+        owned = _init_group(dev)
+        try:
+            gen = torch.Generator().manual_seed(seed)
+            tokens = torch.randint(cfg["vocab"], (cfg["batch"], cfg["context"] + 1), generator=gen).to(dev)
+            x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+            # The process's own first steps (thread pools, CUDA context and kernels, allocator) would
+            # otherwise land on the first contender: an untimed plain-DDP run takes them.
+            _contender("ddp", {**cfg, "steps": 1, "warmup": 1, "profile_steps": 1}, dev, x, y)
+            for repeat in range(repeats):
+                for name in names:
+                    tell(name, repeat)
+                    try:
+                        row = {"method": name, "repeat": repeat, **_contender(name, cfg, dev, x, y)}
+                    except Exception as exc:  # a broken contender is a row, not the end of the table
+                        msg = (str(exc).strip().splitlines() or [""])[0]
+                        row = {"method": name, "repeat": repeat, "error": f"{type(exc).__name__}: {msg}"[:200]}
+                    runs.append(row)
+                    gc.collect()
+                    if dev.type == "cuda":
+                        torch.cuda.empty_cache()
+            env = {**machine(dev), "world_size": dist.get_world_size(), "backend": dist.get_backend()}
+        finally:
+            if owned:
+                dist.destroy_process_group()
+    env["command"] = " ".join(getattr(sys, "orig_argv", sys.argv))
+    with torch.device("meta"):
+        params = sum(p.numel() for p in _model(cfg).parameters())
+    config = {**cfg, "parameters": params, "repeats": repeats, "isolate": isolate}
+    return {"env": env, "config": config, "rows": _aggregate(runs, names), "runs": runs}
 
 
 def _fmt(value, spec: str) -> str:
@@ -269,34 +384,55 @@ def _count_text(value: float, width: int) -> str:
     return f"{value:{width}.0f}" if value == int(value) else f"{value:{width}.1f}"
 
 
+#: The table's width in columns (header, rows and legend wrap or break to fit).
+WIDTH = 100
+
+
+def _spread(row: dict) -> str:
+    return f"{100 * row['spread']:5.1f}%" if row.get("repeats", 1) > 1 else "-".rjust(6)
+
+
 def format_table(result: dict) -> str:
     env, c = result["env"], result["config"]
     cuda = env["device"].startswith("cuda")
+    repeats = c.get("repeats", 1)
+    how = ("each contender in a process of its own" if c.get("isolate") else "all contenders in one process")
     lines = [f"gradzip step benchmark: {env.get('gpu') or env['cpu']}, torch {env['torch']}, world size "
              f"{env['world_size']} ({env['backend']}); GPT {c['parameters']:,} parameters (width "
              f"{c['width']}, depth {c['depth']}, context {c['context']}, vocab {c['vocab']}), batch {c['batch']}, "
              f"amp {c['amp']}, buckets {c['bucket_mb']:g} MB; median of {c['steps']} steps after "
-             f"{c['warmup']} + 1 warm-up", ""]
-    count = ("launches", "syncs") if cuda else ("aten_ops",)
+             f"{c['warmup']} + 1 warm-up"
+             + (f"; median of {repeats} repeats (ratios within each repeat)" if repeats > 1 else "")
+             + f"; {how}"]
+    lines = textwrap.wrap(lines[0], WIDTH, break_on_hyphens=False) + [""]
+    count = (("launches", 8), ("syncs", 6)) if cuda else (("aten_ops", 8),)
     w = max([16] + [len(r["method"]) for r in result["rows"]])
-    head = f"{'method':{w}s} {'ms/step':>8s} {'x DDP':>6s} {'first ms':>9s} {'peak MB':>8s}"
-    head += "".join(f" {h:>9s}" for h in count) + f" {'reads':>6s}  note"
+    head = (f"{'method':{w}s} {'ms/step':>8s} {'spread':>6s} {'x DDP':>6s} {'x fp16':>6s} {'first ms':>8s} "
+            f"{'peak MB':>7s}")
+    head += "".join(f" {h:>{n}s}" for h, n in count) + f" {'reads':>5s}  note"
     lines.append(head)
     for r in result["rows"]:
         if "error" in r:
             lines.append(f"{r['method']:{w}s} error: {r['error']}")
             continue
-        line = (f"{r['method']:{w}s} {r['ms']:8.2f} {_fmt(r['x_ddp'], '6.2f')} {r['first_ms']:9.1f} "
-                f"{_fmt(r['peak_mb'], '8.0f')}")
-        line += "".join(" " + _count_text(r[k], 9) for k in count) + f" {_count_text(r['host_reads'], 6)}  {r['note']}"
-        lines.append(line.rstrip())
+        line = (f"{r['method']:{w}s} {r['ms']:8.2f} {_spread(r)} {_fmt(r['x_ddp'], '6.2f')} "
+                f"{_fmt(r.get('x_fp16'), '6.2f')} {r['first_ms']:8.1f} {_fmt(r['peak_mb'], '7.0f')}")
+        line += "".join(" " + _count_text(r[k], n) for k, n in count) + f" {_count_text(r['host_reads'], 5)}"
+        if len(line) + 2 + len(r["note"]) <= WIDTH:
+            lines.append(f"{line}  {r['note']}".rstrip())
+        else:  # a long note (DGC's parameters) on a line of its own, keeping the table in WIDTH columns
+            lines += [line, " " * (w + 1) + f"note: {r['note']}"]
     all_threads = all(r.get("all_threads", True) for r in result["rows"])
-    lines += ["", "ms/step: median of the timed steps, each between two synchronisations; first ms: the first "
-              "step; peak MB: max_memory_allocated; per step, from torch.profiler over "
+    lines += ["", "ms/step: median of the timed steps, each between two synchronisations"
+              + (f", then the median over {repeats} repeats; spread: slowest repeat over fastest - 1; x DDP, "
+                 "x fp16 (over torch-fp16): ratios within each repeat, then their median" if repeats > 1 else
+                 "; x fp16: over torch-fp16")
+              + "; first ms: the first step; peak MB: max_memory_allocated; per step, from torch.profiler over "
               f"{c['profile_steps']} steps ({'all threads' if all_threads else 'the calling thread only'}): "
               + ("launches: cuda*LaunchKernel* calls, syncs: stream/device/event synchronize and synchronous "
                  "memcpy calls" if cuda else "aten_ops: aten:: operations, nested included")
               + "; reads: _local_scalar_dense (item, bool), nonzero, masked_select, unique*"]
+    lines[-1:] = textwrap.wrap(lines[-1], WIDTH, break_on_hyphens=False)
     return "\n".join(lines)
 
 
