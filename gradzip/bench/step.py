@@ -288,6 +288,23 @@ def _aggregate(runs: list, names: Sequence[str]) -> list:
     return rows
 
 
+def _checked_config(device_type: str, options: dict, profile_steps: int) -> dict:
+    """:data:`DEFAULTS` for the device overridden by ``options``, or a one-line ValueError."""
+    cfg = {**defaults(device_type), **{k: v for k, v in options.items() if v is not None}}
+    unknown = set(cfg) - set(DEFAULTS["cpu"])
+    if unknown:
+        raise ValueError(f"unknown option(s) {', '.join(sorted(unknown))}")
+    if cfg["amp"] not in ("bf16", "none"):
+        raise ValueError(f"amp must be 'bf16' or 'none', got {cfg['amp']!r}")
+    for key in ("width", "depth", "context", "batch", "vocab", "steps", "profile_steps"):
+        value = profile_steps if key == "profile_steps" else cfg[key]
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{key} must be an integer >= 1, got {value!r}")
+    if not isinstance(cfg["warmup"], int) or cfg["warmup"] < 0:
+        raise ValueError(f"warmup must be an integer >= 0, got {cfg['warmup']!r}")
+    return cfg
+
+
 def run(methods: Optional[Sequence[str]] = None, *, device: Optional[str] = None, seed: int = 0,
         bucket_mb: float = 25.0, profile_steps: int = 2, repeats: int = 1, isolate: Optional[bool] = None,
         progress: Optional[Callable[[str], None]] = None, **options) -> dict:
@@ -310,18 +327,7 @@ def run(methods: Optional[Sequence[str]] = None, *, device: Optional[str] = None
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", dev.index or 0)))
         if not isolate:  # the parent of isolated runs touches no GPU memory
             torch.cuda.set_device(dev)
-    cfg = {**defaults(dev.type), **{k: v for k, v in options.items() if v is not None}}
-    unknown = set(cfg) - set(DEFAULTS["cpu"])
-    if unknown:
-        raise ValueError(f"unknown option(s) {', '.join(sorted(unknown))}")
-    if cfg["amp"] not in ("bf16", "none"):
-        raise ValueError(f"amp must be 'bf16' or 'none', got {cfg['amp']!r}")
-    for key in ("width", "depth", "context", "batch", "vocab", "steps", "profile_steps"):
-        value = profile_steps if key == "profile_steps" else cfg[key]
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{key} must be an integer >= 1, got {value!r}")
-    if not isinstance(cfg["warmup"], int) or cfg["warmup"] < 0:
-        raise ValueError(f"warmup must be an integer >= 0, got {cfg['warmup']!r}")
+    cfg = _checked_config(dev.type, options, profile_steps)
     cfg.update(seed=seed, bucket_mb=bucket_mb, profile_steps=profile_steps)
     valid = list(BASELINES) + gradzip.compressors()
     names = list(methods) if methods else valid
