@@ -374,6 +374,12 @@ class Compressor:
         host (no ``item``, ``nonzero``, ``tolist``): the bucket route runs without host syncs."""
         raise NotImplementedError
 
+    def bucket_sent_whole(self, layout) -> Optional[torch.Tensor]:
+        """On the bucket route, the elements of the tensors this method sends whole (uncompressed: DGC's
+        vectors and small tensors), a bool tensor over the bucket, which error feedback keeps no state
+        for; None (the default): every tensor is compressed."""
+        return None
+
     def bucket_payload_bytes(self, layout) -> int:
         """The wire formula of :meth:`bucket_exchange`: bytes this worker hands to collectives."""
         raise NotImplementedError
