@@ -8,7 +8,8 @@ and each method's exchange of the same buckets alone, in a loop.
 Pin it to one core (``taskset -c 0``), as a worker of a 2-worker run on a 2-core machine has one:
 otherwise gradzip's thread compresses on the other core and its cost hides.  ``method:feedback``
 picks an error-feedback scheme (``fp16:residual`` sends fp16 through gradzip's thread; ``fp16``
-without feedback goes to DDP's own allreduce).  Prints, per method, the median block's ms per step,
+without feedback goes to DDP's own allreduce); ``@bucket`` takes the bucket route (``topk@bucket``,
+``fp16:residual@bucket``), the CUDA default, on this CPU.  Prints, per method, the median block's ms per step,
 its excess over DDP's, and the median ms of one exchange of the same buckets' local gradients
 alone (gradzip's own state, world size 1, each gradient copied in first); the difference is what
 running on gradzip's thread, interleaved with backward, costs.
@@ -31,8 +32,9 @@ from gradzip.launcher import free_port
 
 
 def _spec(method: str) -> tuple[str, dict]:
+    method, _, route = method.partition("@")
     name, _, feedback = method.partition(":")
-    return name, ({"feedback": feedback} if feedback else {})
+    return name, {**({"feedback": feedback} if feedback else {}), **({"bucketed": True} if route == "bucket" else {})}
 
 
 def main():
