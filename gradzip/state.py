@@ -475,19 +475,7 @@ class GradzipState:
     def record_plain(self, keys: tuple, elements: int, element_bytes: int, wire: torch.dtype) -> None:
         """:meth:`record_dense` for a bucket of ``keys`` that :meth:`always_plain_dtype` allowed, from its
         element count and its gradients' element size: no pass over its tensors."""
-        self.compressor.observe_step(keys, time.perf_counter())
-        t = self.totals
-        t["exchanges"] += 1
-        t["collectives"] += 1
-        t["plain_allreduces"] += 1
-        t["payload_bytes"] += elements * wire.itemsize
-        t["wire_bytes"] += elements * wire.itemsize
-        t["dense_bytes"] += elements * element_bytes
-        t["elements"] += elements
-        t["elements_sent"] += elements
-        steps = self.steps
-        for key in keys:
-            steps[key] = steps.get(key, 0) + 1
+        self._count_plain(keys, elements, elements * wire.itemsize, elements * element_bytes)
 
     def record_dense(self, named_grads: Sequence[tuple[str, torch.Tensor]], dtype: Optional[torch.dtype] = None) -> None:
         """Count an exchange that :meth:`plain_allreduce_dtype` allowed and the integration did itself,
@@ -495,22 +483,28 @@ class GradzipState:
         whole steps, dense ones included."""
         plan = _vector_groups(named_grads, self.group_vectors_below)
         exchanged = self._as_exchanged(named_grads, plan)
-        keys = [key for key, _ in exchanged]
         moves = self._moves(named_grads, plan)
         first_steps = self._first_steps(moves, exchanged)
         self._settle(moves)
-        self.compressor.observe_step(keys, time.perf_counter())
         elements = sum(g.numel() for _, g in named_grads)
+        dense = sum(g.numel() * g.element_size() for _, g in named_grads)
+        self._count_plain([key for key, _ in exchanged], elements, elements * dtype.itemsize if dtype is not None else dense,
+                          dense, first_steps)
+
+    def _count_plain(self, keys: Sequence[str], elements: int, sent: int, dense: int, first_steps: Optional[dict] = None) -> None:
+        """One plain allreduce of ``sent`` bytes for ``dense`` bytes of gradients: counters, steps, and
+        the compressor's clock of whole steps."""
+        self.compressor.observe_step(keys, time.perf_counter())
         t = self.totals
         t["exchanges"] += 1
         t["collectives"] += 1
         t["plain_allreduces"] += 1
-        sent = elements * dtype.itemsize if dtype is not None else sum(g.numel() * g.element_size() for _, g in named_grads)
         t["payload_bytes"] += sent
         t["wire_bytes"] += sent
-        t["dense_bytes"] += sum(g.numel() * g.element_size() for _, g in named_grads)
+        t["dense_bytes"] += dense
         t["elements"] += elements
         t["elements_sent"] += elements
+        first_steps = first_steps or {}
         for key in keys:
             self.steps[key] = self.steps.get(key, first_steps.get(key, 0)) + 1
 

@@ -95,7 +95,7 @@ def test_bucket_route_equals_the_per_tensor_route(name, params, dtype):
         expected = reference.exchange([(k, g.clone()) for k, g in named])
         given = [(k, g.clone()) for k, g in named]
         unlent = fresh.exchange(given)
-        got = bucketed.exchange(named, out=[g for _, g in named])
+        bucketed.exchange(named, out=[g for _, g in named])
         assert bucketed.last_report is not None and len(bucketed._route.buckets) == 1  # the bucket route ran
         for (key, g), want, other in zip(named, expected, unlent):
             assert g.dtype == dtype and other.shape == want.shape
