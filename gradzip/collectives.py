@@ -43,6 +43,21 @@ class Transport:
         can receive into given memory; by default the same as :meth:`allgather`."""
         return self.allgather(flat)
 
+    def allgather_bytes(self, data: bytes) -> list[bytes]:
+        """Every rank's ``data`` (of any length), in rank order: two gathers, the lengths then the bytes
+        padded to the longest.  For checkpoints, not for steps."""
+        device = self.device
+        length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+        lengths = [int(n) for n in torch.cat(self.allgather(length)).tolist()]
+        padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
+        padded[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+        return [bytes(t[:n].cpu().numpy()) for t, n in zip(self.allgather(padded), lengths)]
+
+    @property
+    def device(self) -> torch.device:
+        """Where this transport's collectives take their tensors."""
+        return torch.device("cpu")
+
 
 class LocalTransport(Transport):
     """World size 1: compression and feedback still apply, nothing is exchanged."""
@@ -74,6 +89,13 @@ class ProcessGroupTransport(Transport):
     def allgather_into(self, flat, out):
         dist.all_gather(out, flat, group=self.group)
         return out
+
+    @property
+    def device(self):
+        # NCCL takes CUDA tensors only; a group with a CPU backend (gloo) takes CPU ones.
+        if dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
 
 class ThreadGroup:

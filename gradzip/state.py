@@ -12,6 +12,7 @@ import collections
 import contextlib
 import functools
 import hashlib
+import io
 import os
 import queue
 import threading
@@ -26,11 +27,11 @@ from . import feedback as _feedback
 from . import kernels
 from .kernels import any_nonfinite as _any_nonfinite
 from .buckets import BucketRoute, takes_bucket_route
-from .collectives import Transport, run_lockstep, transport_for
+from .collectives import ProcessGroupTransport, Transport, run_lockstep, transport_for
 from .compressors import make
 from .compressors.base import SPARE, Compressor, TensorContext
 
-__all__ = ["GradzipState"]
+__all__ = ["GradzipState", "AllRanks", "reshard"]
 
 _COUNTERS = ("exchanges", "payload_bytes", "wire_bytes", "dense_bytes", "elements", "elements_sent",
              "collectives", "compress_s", "communicate_s", "decompress_s", "nonfinite_exchanges",
@@ -215,6 +216,8 @@ class GradzipState:
         #: The DDP hook's buckets that are one plain allreduce for ever (:meth:`always_plain_dtype`), by
         #: (bucket index, buffer address, size): their keys, element count, element size and wire dtype.
         self.always_plain: dict = {}
+        #: Whether :meth:`load_state_dict` ran: integrations that were asked to resume check it.
+        self.loaded = False
         _LIVE.add(self)
         _install_teardown()
         if transport is None and dist.is_available() and dist.is_initialized():
@@ -587,6 +590,13 @@ class GradzipState:
             job = self._jobs.get()
             if job is None:
                 return
+            if len(job) == 2:  # a call queued by _on_thread
+                fn, fut = job
+                try:
+                    fut.set_result(fn())
+                except BaseException as exc:
+                    fut.set_exception(exc)
+                continue
             self._run_job(*job)
             del job  # hold no tensor while waiting for the next job
 
@@ -701,11 +711,27 @@ class GradzipState:
         t["world_size"] = self.world_size
         return t
 
-    def state_dict(self) -> dict:
+    def state_dict(self, *, all_ranks: bool = False) -> dict:
         """Everything needed to continue bit for bit: per-tensor state, step counters, epoch, counters.
 
-        Residuals and momenta are this rank's own, so save one state_dict per rank; it records its rank.
+        Residuals and momenta are each rank's own.  By default this rank's alone (it records its rank):
+        save one per rank.  ``all_ranks=True`` gathers every rank's into one dict, on every rank, so a
+        file written by rank 0 alone carries all of them: a collective, so call it on every rank at the
+        same point (e.g. at every evaluation, also where only rank 0 then decides to save).  It holds
+        world size times one rank's state, in CPU memory.  :meth:`load_state_dict` takes either form;
+        the gathered one also resumes on another number of ranks.
         """
+        own = self._own_state_dict()
+        if not all_ranks:
+            return own
+        buffer = io.BytesIO()
+        torch.save({**own, "tensors": {k: {n: v.cpu() for n, v in slot.items()} for k, slot in own["tensors"].items()}},
+                   buffer)
+        parts = self._on_thread(lambda: self.transport.allgather_bytes(buffer.getvalue()))
+        return {"all_ranks": [torch.load(io.BytesIO(part), weights_only=True) for part in parts],
+                "compressor": own["compressor"]}
+
+    def _own_state_dict(self) -> dict:
         self._route.resolve(self.steps, self.totals)
         return {
             "rank": self.rank,
@@ -718,24 +744,103 @@ class GradzipState:
             "totals": dict(self.totals),
         }
 
+    def stateful(self) -> "AllRanks":
+        """This state as a ``torch.distributed.checkpoint`` ``Stateful`` holding every rank's part:
+        ``dcp.save({"model": ..., "gradzip": state.stateful()}, checkpoint_id=...)`` and the same
+        ``dcp.load``, on every rank.  (The state itself would be saved as one rank's tensors: DCP keeps
+        one copy of a plain tensor that every rank holds under the same name.)"""
+        return AllRanks(self)
+
     def load_state_dict(self, state: dict, *, any_rank: bool = False) -> None:
-        """Load a :meth:`state_dict`.  One saved by another rank is refused when it holds per-tensor
-        state (that rank's residuals and momenta), unless ``any_rank=True``: loading one rank's state
-        everywhere would duplicate its error feedback and lose the others'."""
+        """Load a :meth:`state_dict`.
+
+        A gathered one (``all_ranks=True``) gives each rank its own part; saved on another number of
+        ranks, each rank gets what error feedback still owes, the mean over the saved ranks of each
+        residual, velocity and momentum (:func:`reshard`).  A single rank's is refused on another rank
+        when it holds per-tensor state (that rank's residuals and momenta), unless ``any_rank=True``:
+        loading one rank's state everywhere would duplicate its error feedback and lose the others'."""
         if state.get("compressor") != self.compressor.name:
             raise ValueError(f"state_dict is for compressor {state.get('compressor')!r}, "
                              f"this state uses {self.compressor.name!r}")
+        if "all_ranks" in state:
+            state = reshard(state["all_ranks"], self.rank, self.world_size)
         saved_by = state.get("rank")
         if not any_rank and saved_by is not None and saved_by != self.rank and any(state["tensors"].values()):
             raise ValueError(f"this gradzip state_dict was saved by rank {saved_by} and holds that rank's own "
                              f"residuals and momenta; load each rank's own (save one file per rank, e.g. "
-                             f"gradzip_rank{{rank}}.pt), or pass any_rank=True to take rank {saved_by}'s anyway")
+                             f"gradzip_rank{{rank}}.pt, or one for all with state_dict(all_ranks=True)), "
+                             f"or pass any_rank=True to take rank {saved_by}'s anyway")
+        device = self._device_of_state()
         self.seed = int(state["seed"])
         self.epoch = None if state["epoch"] is None else int(state["epoch"])
         self.steps = dict(state["steps"])
-        self.tensors = {k: {n: v.clone() for n, v in slot.items()} for k, slot in state["tensors"].items()}
+        self.tensors = {k: {n: v.to(device) if device is not None else v.clone() for n, v in slot.items()}
+                        for k, slot in state["tensors"].items()}
         self.totals.update(state.get("totals", {}))
         self._route = BucketRoute()  # its flat state is rebuilt from the loaded tensors
+        self.loaded = True
+
+    def _device_of_state(self) -> Optional[torch.device]:
+        """Where this rank's state lives (its CUDA device under NCCL), for tensors gathered on CPUs."""
+        if isinstance(self._transport, ProcessGroupTransport) and self._transport.device.type != "cpu":
+            return self._transport.device
+        return None
+
+    def _on_thread(self, fn: Callable):
+        """``fn()`` after every exchange already submitted, on the communication thread where it runs
+        (so its collectives queue behind theirs on gradzip's group), else here."""
+        fut: torch.futures.Future = torch.futures.Future()
+        with self._lock:
+            queued = self._worker is not None and not self._closed
+            if queued:
+                self._jobs.put((fn, fut))
+        return fut.wait() if queued else fn()
+
+
+class AllRanks:
+    """A ``torch.distributed.checkpoint`` ``Stateful`` holding every rank's part of a
+    :class:`GradzipState` (:meth:`GradzipState.stateful`).  It is saved as one object, the same on every
+    rank, which DCP writes once and hands to every rank at load, whatever the number of ranks then."""
+
+    def __init__(self, state: GradzipState):
+        self.state = state
+
+    def state_dict(self) -> dict:
+        buffer = io.BytesIO()
+        torch.save(self.state.state_dict(all_ranks=True), buffer)
+        return {"all_ranks": buffer.getvalue()}
+
+    def load_state_dict(self, saved: dict) -> None:
+        self.state.load_state_dict(torch.load(io.BytesIO(saved["all_ranks"]), weights_only=True))
+
+
+def reshard(parts: Sequence[dict], rank: int, world_size: int) -> dict:
+    """Rank ``rank``'s state (of ``world_size``) from the states ``parts`` of every saved rank.
+
+    On the same number of ranks, each rank's own.  On another, what error feedback owes is conserved:
+    with N saved ranks holding residuals e_1..e_N, the next exchange adds their mean (1/N) sum e_i to
+    the update, so each of the N' new ranks takes that mean, and the mean over the new ranks is again
+    (1/N) sum e_i.  Velocities and momenta likewise.  State equal on every saved rank (PowerSGD's
+    shared basis Q, ``auto``'s decisions) is kept as it is; per-rank random streams are re-derived
+    from the seed and the new ranks.  Counters of ranks that did not exist start at zero.
+    """
+    if len(parts) == world_size:
+        return parts[rank]
+    first = parts[0]
+    tensors = {}
+    for key, slot in first["tensors"].items():
+        tensors[key] = {}
+        for name, value in slot.items():
+            values = [part["tensors"][key][name] for part in parts]
+            if all(torch.equal(v, value) for v in values[1:]):
+                tensors[key][name] = value
+            elif value.is_floating_point():
+                tensors[key][name] = torch.stack([v.double() for v in values]).mean(0).to(value.dtype)
+            else:
+                raise ValueError(f"cannot resume on {world_size} ranks from {len(parts)}: state {name!r} of "
+                                 f"{key!r} differs between ranks and is not a float tensor to average")
+    totals = parts[rank]["totals"] if rank < len(parts) else dict.fromkeys(first["totals"], 0)
+    return {**first, "rank": rank, "tensors": tensors, "totals": dict(totals)}
 
 
 def _registered(group: dist.ProcessGroup) -> bool:

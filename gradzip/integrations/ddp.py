@@ -14,6 +14,7 @@ buckets are issued in the same order on every rank — even for multi-phase meth
 whose chained future callbacks reorder them in PyTorch's hook.
 """
 
+import os
 import time
 from typing import Optional
 
@@ -28,12 +29,17 @@ __all__ = ["register", "ddp_comm_hook"]
 
 
 def register(ddp_model: DistributedDataParallel, compressor="none", *, group: "Optional[dist.ProcessGroup]" = None,
-             seed: int = 0, **params) -> GradzipState:
+             seed: int = 0, resume=None, **params) -> GradzipState:
     """Install gradzip as ``ddp_model``'s communication hook and return its state.
 
     gradzip talks over a process group of its own unless ``group`` is given.  The state's keys are
     the model's parameter names.  Use the state as a context manager, or call ``state.close()``, to
     stop its thread early; otherwise that happens at ``destroy_process_group()`` or interpreter exit.
+
+    ``resume``: continue from a saved state instead of a fresh one — a ``state_dict`` (either form), or
+    the path of a file holding one, alone or under a ``"gradzip"`` key of a whole checkpoint;
+    ``{rank}`` in the path is replaced by this rank.  A file that is missing or holds no gradzip state
+    raises, so a resumed run never silently starts its error feedback from zero.
     """
     if not isinstance(ddp_model, DistributedDataParallel):
         raise ValueError(
@@ -49,9 +55,29 @@ def register(ddp_model: DistributedDataParallel, compressor="none", *, group: "O
     ddp_group = getattr(ddp_model, "process_group", None)
     gradzip_group = getattr(state.transport, "group", None)
     state.dense_group = ddp_group if ddp_group is not None and ddp_group is not gradzip_group else None
+    if resume is not None:
+        state.load_state_dict(_saved_state(resume, state.rank))
     ddp_model.register_comm_hook(state, ddp_comm_hook)
     guard_momentum(state, ddp_model.module.parameters())
     return state
+
+
+def _saved_state(resume, rank: int) -> dict:
+    """The gradzip state_dict that ``register(resume=...)`` names (see there)."""
+    if isinstance(resume, (str, os.PathLike)):
+        path = os.fspath(resume).replace("{rank}", str(rank))
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"register(resume={path!r}): no such file; pass the file a gradzip "
+                                    "state_dict was saved to, or resume=None to start a fresh state")
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    else:
+        saved, path = resume, "the given dict"
+    if isinstance(saved, dict) and "compressor" not in saved and isinstance(saved.get("gradzip"), dict):
+        saved = saved["gradzip"]
+    if not isinstance(saved, dict) or "compressor" not in saved:
+        raise ValueError(f"register(resume=...): {path} holds no gradzip state_dict (state.state_dict(), "
+                         "alone or under a 'gradzip' key); resume=None starts a fresh state")
+    return saved
 
 
 def _names(state: GradzipState, params) -> list:

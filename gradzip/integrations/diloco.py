@@ -267,9 +267,10 @@ class DiLoCo:
                  bytes_per_inner_step=s["bytes_sent"] / self.inner_steps if self.inner_steps else 0.0)
         return s
 
-    def state_dict(self) -> dict:
+    def state_dict(self, *, all_ranks: bool = False) -> dict:
         """theta_g, the outer momentum, gradzip's state (error feedback) and the counters; loads with
-        ``torch.load(..., weights_only=True)``.  The replica and the inner optimizer are saved by the script.
+        ``torch.load(..., weights_only=True)``.  ``all_ranks=True`` (a collective) holds every rank's error
+        feedback, so that one file serves every rank, also on another number of ranks.  The replica and the inner optimizer are saved by the script.
         An overlapped exchange in flight is finished first and saved as pending: it merges into the replica
         at the next :meth:`step`, in the resumed run as in this one."""
         skipped = self._settle()
@@ -281,11 +282,12 @@ class DiLoCo:
                 "fragment_syncs": list(self.fragment_syncs),
                 "theta": {k: v.clone() for k, v in self.theta.items()},
                 "momentum": {k: v.clone() for k, v in self.momentum.items()},
-                "gradzip": self.state.state_dict()}
+                "gradzip": self.state.state_dict(all_ranks=all_ranks)}
 
     def load_state_dict(self, state: dict, *, any_rank: bool = False) -> None:
         """Load a :meth:`state_dict`.  theta_g and the momentum are equal on every rank, the error feedback
-        is this rank's own: load each rank's own file (``any_rank``: see ``GradzipState.load_state_dict``)."""
+        is this rank's own: load each rank's own file, or one saved with ``all_ranks=True``
+        (``any_rank``: see ``GradzipState.load_state_dict``)."""
         mine = (self.sync_every, len(self.fragments), sorted(self.theta), sorted(self.momentum))
         saved = (state["sync_every"], state["fragments"], sorted(state["theta"]), sorted(state["momentum"]))
         if mine != saved:

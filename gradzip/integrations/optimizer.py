@@ -236,12 +236,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"parameter names already in use: {', '.join(clash[:5]) or 'duplicates in the group'}")
         self._add_parameters(named)
 
-    def state_dict(self) -> dict:
-        """The wrapped optimizer's ``state_dict()`` plus ``"gradzip"``: ``gradzip_state.state_dict()``."""
+    def state_dict(self, *, all_ranks: bool = False) -> dict:
+        """The wrapped optimizer's ``state_dict()`` plus ``"gradzip"``: ``gradzip_state.state_dict()``
+        (``all_ranks=True``: every rank's part, a collective; see ``GradzipState.state_dict``)."""
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         state_dict = dict(self.optimizer.state_dict())
-        state_dict["gradzip"] = self.gradzip_state.state_dict()
+        state_dict["gradzip"] = self.gradzip_state.state_dict(all_ranks=all_ranks)
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, state_dict)
             if result is not None:

@@ -1,0 +1,112 @@
+"""One checkpoint for every rank: ``state_dict(all_ranks=True)``, ``torch.distributed.checkpoint`` through
+``state.stateful()``, resuming on another number of ranks (:func:`gradzip.state.reshard`), and
+``register(resume=...)`` refusing a checkpoint without gradzip's state.  Real gloo processes.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradzip
+from gradzip.state import GradzipState, reshard
+
+from .distributed import run_workers
+
+
+def _trained_state(worker, method="topk", steps=3, params=None):
+    state = GradzipState(method, **(params or {"ratio": 0.25}))
+    torch.manual_seed(100 + worker)  # each rank its own gradients, so residuals differ between ranks
+    for _ in range(steps):
+        state.exchange([("w", torch.randn(32, 16)), ("b", torch.randn(16))])
+    return state
+
+
+def _dcp_save(rank, world, path):
+    state = _trained_state(rank)
+    dcp.save({"gradzip": state.stateful()}, checkpoint_id=path)
+    own = state.state_dict()
+    state.close()
+    return own["tensors"]
+
+
+def _dcp_load(rank, world, path):
+    state = GradzipState("topk", ratio=0.25)
+    dcp.load({"gradzip": state.stateful()}, checkpoint_id=path)
+    loaded = state.loaded
+    tensors = {k: dict(v) for k, v in state.tensors.items()}
+    state.close()
+    return loaded, tensors
+
+
+def test_dcp_checkpoint_resumes_each_rank_and_on_another_world_size(tmp_path):
+    saved = run_workers(_dcp_save, 2, str(tmp_path / "ckpt"))
+    assert not torch.equal(saved[0]["w"]["residual"], saved[1]["w"]["residual"])
+    same = run_workers(_dcp_load, 2, str(tmp_path / "ckpt"))
+    for rank, (loaded, tensors) in enumerate(same):
+        assert loaded
+        for key in saved[rank]:
+            assert torch.equal(tensors[key]["residual"], saved[rank][key]["residual"])
+    three = run_workers(_dcp_load, 3, str(tmp_path / "ckpt"))
+    for key in saved[0]:
+        mean = (saved[0][key]["residual"] + saved[1][key]["residual"]) / 2
+        for loaded, tensors in three:
+            torch.testing.assert_close(tensors[key]["residual"], mean, rtol=1e-6, atol=1e-7)
+
+
+def _gathered(rank, world, method):
+    state = _trained_state(rank, method, steps=4, params={"rank": 2, "dense_steps": 1} if method == "powersgd" else None)
+    gathered = state.state_dict(all_ranks=True)
+    own = state.state_dict()
+    state.close()
+    return gathered, own
+
+
+@pytest.mark.parametrize("method", ["topk", "powersgd"])
+def test_all_ranks_form_holds_every_rank_and_reshards_by_the_mean(method):
+    results = run_workers(_gathered, 2, method)
+    gathered = results[0][0]
+    assert [part["rank"] for part in gathered["all_ranks"]] == [0, 1]
+    for rank, (_, own) in enumerate(results):
+        part = gathered["all_ranks"][rank]
+        assert part["steps"] == own["steps"]
+        for key, slot in own["tensors"].items():
+            for name, value in slot.items():
+                assert torch.equal(part["tensors"][key][name], value)
+    parts = gathered["all_ranks"]
+    for new_rank in range(3):
+        mine = reshard(parts, new_rank, 3)
+        for key, slot in parts[0]["tensors"].items():
+            for name, value in slot.items():
+                other = parts[1]["tensors"][key][name]
+                if torch.equal(value, other):  # shared on every rank (PowerSGD's Q): kept as it is
+                    assert torch.equal(mine["tensors"][key][name], value)
+                else:
+                    torch.testing.assert_close(mine["tensors"][key][name], (value + other) / 2)
+    if method == "powersgd":
+        names = {name for slot in parts[0]["tensors"].values() for name in slot}
+        assert names, "PowerSGD kept no state: the test would prove nothing"
+
+
+def test_reshard_refuses_state_it_cannot_average():
+    part = {"tensors": {"w": {"count": torch.tensor([1])}}, "totals": {}, "rank": 0}
+    other = {"tensors": {"w": {"count": torch.tensor([2])}}, "totals": {}, "rank": 1}
+    with pytest.raises(ValueError, match="differs between ranks and is not a float tensor"):
+        reshard([part, other], 0, 3)
+
+
+def _register_resume(rank, world, resume):
+    model = DDP(torch.nn.Linear(4, 2))
+    try:
+        gradzip.register(model, "topk", ratio=0.5, resume=resume)
+    except (FileNotFoundError, ValueError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "registered"
+
+
+def test_register_resume_refuses_what_holds_no_gradzip_state(tmp_path):
+    missing = run_workers(_register_resume, 1, str(tmp_path / "gradzip_rank{rank}.pt"))[0]
+    assert missing.startswith("FileNotFoundError") and "gradzip_rank0.pt" in missing
+    torch.save({"model": {}, "optimizer": {}}, tmp_path / "model.pt")
+    plain = run_workers(_register_resume, 1, str(tmp_path / "model.pt"))[0]
+    assert plain.startswith("ValueError") and "holds no gradzip state_dict" in plain
