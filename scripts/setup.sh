@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs everything gradzip needs on a fresh machine: a CPU build of torch (pinned: an unpinned torch
-# pulls several GB of CUDA wheels), the package with its test extras and the pinned Lightning and
-# Accelerate of tests/stacks (one pip command with the pinned torch, so pip cannot replace that torch),
-# and the Fashion-MNIST files (Debian's dataset-fashion-mnist) when running as root.
+# pulls several GB of CUDA wheels), the package with its test extras and the pinned Lightning,
+# Accelerate and Transformers of tests/stacks (one pip command with the pinned torch, so pip cannot
+# replace that torch), and the Fashion-MNIST files (Debian's dataset-fashion-mnist) when running as
+# root.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -e /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ]; then

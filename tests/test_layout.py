@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -52,3 +55,12 @@ def test_no_function_over_80_lines():
             for path, _ in _modules() for node in ast.walk(ast.parse(path.read_text()))
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80]
     assert not long, long
+
+
+def test_import_gradzip_needs_no_framework():
+    """HF Transformers and the other frameworks are optional: ``import gradzip`` imports none of them."""
+    code = ("import sys, gradzip, gradzip.integrations\n"
+            "print(sorted(m for m in ('transformers', 'accelerate', 'lightning') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=ROOT.parent, env={**os.environ, "PYTHONPATH": str(ROOT.parent)})
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -4,6 +4,10 @@
 from the main process alone, so every rank would resume with rank 0's residuals (and gradzip refuses to
 load them).  Save and load hooks run on every process, so each rank keeps its own file beside
 Accelerate's: ``gradzip_rank<r>.pt``.
+
+Under HF Transformers' ``Trainer`` this does nothing: Trainer writes its ``checkpoint-N/`` folders itself
+and never calls ``accelerator.save_state`` or ``load_state``, so these hooks never run.  Use
+``gradzip.integrations.transformers.register(trainer, method, ...)`` there.
 """
 from __future__ import annotations
 

@@ -45,8 +45,9 @@ def register(ddp_model: DistributedDataParallel, compressor="none", *, group: "O
         raise ValueError(
             f"gradzip.register() needs a torch.nn.parallel.DistributedDataParallel model, got "
             f"{type(ddp_model).__name__}; gradzip compresses DDP's gradient allreduce (FSDP and FSDP2 "
-            "shard gradients with reduce-scatter, which it does not support); without DDP, wrap the "
-            "optimizer in gradzip.DistributedOptimizer")
+            "shard gradients with reduce-scatter, which it does not support); with HF Trainer (whose "
+            "callbacks get the unwrapped model) use gradzip.integrations.transformers.register(trainer, "
+            "method, ...); without DDP, wrap the optimizer in gradzip.DistributedOptimizer")
     state = GradzipState(compressor, group=group, seed=seed, **params)
     state.param_names = {p: name for name, p in ddp_model.module.named_parameters()}
     # Buckets that are sent densely go through a plain allreduce on DDP's own group, which gradzip's
