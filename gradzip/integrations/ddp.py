@@ -34,6 +34,9 @@ def register(ddp_model: DistributedDataParallel, compressor="none", *, group: "O
     gradzip talks over a process group of its own unless ``group`` is given.  The state's keys are
     the model's parameter names.  Use the state as a context manager, or call ``state.close()``, to
     stop its thread early; otherwise that happens at ``destroy_process_group()`` or interpreter exit.
+
+    Under ``torch.amp.GradScaler`` pass ``grad_scaler=scaler`` (a :class:`GradzipState` argument, as are
+    the other keywords besides the compressor's parameters): the hook sees scaled gradients.
     """
     if not isinstance(ddp_model, DistributedDataParallel):
         raise ValueError(
