@@ -368,3 +368,22 @@ def test_grad_scaler_reaches_the_state_and_is_checked():
         gradzip.GradzipState("topk", grad_scaler=2.0**16)
     disabled = torch.amp.GradScaler("cpu", enabled=False)
     assert gradzip.GradzipState("topk", grad_scaler=disabled).loss_scale(torch.device("cpu")) is None
+
+
+def test_the_checked_add_of_large_tensors_follows_the_scale(monkeypatch):
+    """Residual feedback's g + e checked chunk by chunk (large CPU tensors) adds e at the current scale."""
+    import gradzip.feedback as feedback
+    calls = []
+    checked_add = feedback._checked_add
+    monkeypatch.setattr(feedback, "_checked_add", lambda *a, **k: calls.append(1) or checked_add(*a, **k))
+    scaler = _scaler(2.0**6)
+    scaled = gradzip.GradzipState("topk", ratio=0.01, grad_scaler=scaler)
+    plain = gradzip.GradzipState("topk", ratio=0.01)
+    gen = torch.Generator().manual_seed(0)
+    for scale in (2.0**6, 2.0**9, 2.0**2):
+        scaler.update(new_scale=scale)
+        g = torch.randn(600, 500, generator=gen)
+        want = plain.exchange([("w", g)])[0]
+        assert torch.equal(scaled.exchange([("w", g * scale)])[0], want * scale)
+        assert torch.equal(scaled.tensors["w"]["residual"], plain.tensors["w"]["residual"])
+    assert len(calls) == 4  # steps 2 and 3, in each state
