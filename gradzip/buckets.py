@@ -189,7 +189,8 @@ class BucketRoute:
         step = state.steps.get(keys[0], 0)
         shapes = _state_shapes(compressor, layout, step)
         b = BucketContext(layout, step=step, rank=state.rank, world_size=state.world_size, seed=state.seed,
-                          state=entry.load(state.tensors, shapes), epoch=state.epoch)
+                          state=entry.load(state.tensors, shapes), epoch=state.epoch,
+                          scale=state.loss_scale(layout.device))
         local = torch.zeros((), dtype=torch.bool, device=layout.device)
         if not compressor.carries_nonfinite and layout.numel:
             local = ~torch.isfinite(torch.linalg.vector_norm(flat_g, float("inf")))

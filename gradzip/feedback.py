@@ -16,6 +16,9 @@ the invariant
 Each scheme owns a typed per-tensor state, a dataclass of tensors (:class:`ResidualState`,
 :class:`MomentumState`): :meth:`Feedback.load` reads it from the tensor's staged context and
 :meth:`Feedback.stage` writes it back, under the state's field names (also the checkpoint's keys).
+Under a loss scale (``ctx.scale``: ``GradScaler``'s, which the gradients carry) the state is kept
+divided by it and multiplied by the current one as it is added, in the same pass: it then follows the
+scale as the scaler backs off and grows.
 
 A compressor names its scheme in ``compressor.feedback`` (a string, as in its ``params()`` and state
 dicts); :func:`scheme_of` gives the object, built here from the name and the compressor's
@@ -32,7 +35,7 @@ from typing import ClassVar, Optional
 import torch
 
 from . import kernels
-from .compressors.base import Compressor, Exchange, TensorContext, workspace
+from .compressors.base import Compressor, Exchange, TensorContext, add_scaled, times_scale, unscale_, workspace
 from .compressors.dense import NoCompression
 from .compressors.sparse import _momentum_params
 
@@ -136,12 +139,13 @@ class Residual(Feedback):
         elif ctx.check_input:
             p = _checked_add(x, e, ctx, compressor.read_while_written(ctx) if compressed else None)
         else:
-            p = torch.add(x, e, out=ctx.spare("residual", e))
+            p = add_scaled(x, e, ctx.scale, out=ctx.spare("residual", e))
         result = yield from run(p, ctx)
         # A tensor sent densely keeps no residual (it would be rounding noise at most), nor does one that
         # the method settled within this exchange on sending densely from now on.
         keep = compressed and not result.settled_dense
-        self.stage(ctx, ResidualState(_minus_sent(p, result, own=e is not None) if keep else None))
+        e = unscale_(_minus_sent(p, result, own=e is not None), ctx.scale) if keep else None
+        self.stage(ctx, ResidualState(e))
         return result
 
 
@@ -159,15 +163,17 @@ class MomentumCorrection(Feedback):
         self.momentum, self.nesterov, self.clip_norm = _momentum_params(momentum, nesterov, clip_norm)
 
     def exchange(self, compressor, g, ctx, run, compressed):
-        m = self.momentum
+        m, scale = self.momentum, ctx.scale
         if self.clip_norm is not None:
             limit = self.clip_norm * ctx.world_size ** -0.5
             norm = torch.linalg.vector_norm(g)
+            if scale is not None:  # clip_norm is in gradient units
+                norm = norm / scale
             g = g * torch.clamp(limit / (norm + 1e-6), max=1.0)
         state = self.load(ctx)
         u, v = state.momentum, state.velocity
         fused = None
-        fusable = kernels.enabled(g.numel()) and g.is_contiguous() and g.device.type == "cpu"
+        fusable = kernels.enabled(g.numel()) and g.is_contiguous() and g.device.type == "cpu" and scale is None
         if u is not None and v is not None and fusable:
             # Both updates in one pass over u, g and v (a kernel, on large CPU tensors: GPU compilers
             # contract a multiply and an add into one rounding), rounded as below.
@@ -179,13 +185,13 @@ class MomentumCorrection(Feedback):
             u = torch.zeros_like(g) if u is None else u
             # Into spare memory, then in-place steps: the same roundings as the textbook expressions.
             if self.nesterov:
-                u = torch.add(u, g, out=ctx.spare("momentum", u)).mul_(m)  # u = (u + g) * m
+                u = add_scaled(g, u, scale, out=ctx.spare("momentum", u)).mul_(m)  # u = (u + g) * m
                 increment = u + g
             else:
-                u = torch.mul(u, m, out=ctx.spare("momentum", u)).add_(g)  # u = m * u + g
+                u = torch.mul(u, times_scale(m, scale), out=ctx.spare("momentum", u)).add_(g)  # u = m * u + g
                 increment = u
             fresh_v = v is not None or increment is not u  # v's memory is this exchange's own, not u's
-            v = increment if v is None else torch.add(v, increment, out=ctx.spare("velocity", v))
+            v = increment if v is None else add_scaled(increment, v, scale, out=ctx.spare("velocity", v))
         result = yield from run(v, ctx)
         if compressed:
             v = _minus_sent(v, result, own=fresh_v)
@@ -199,7 +205,7 @@ class MomentumCorrection(Feedback):
         else:
             # Sent whole: nothing accumulates and masking would erase the momentum, so keep u as it is.
             v = None
-        self.stage(ctx, MomentumState(momentum=u, velocity=v))
+        self.stage(ctx, MomentumState(momentum=unscale_(u, scale), velocity=unscale_(v, scale)))
         return result
 
     def bucket_exchange(self, compressor, g, b):
@@ -208,29 +214,31 @@ class MomentumCorrection(Feedback):
         (``sparse``: index_fill; else the sent mask).  The tensors that the compressor sends whole
         (:func:`_none_where_whole`) keep no velocity, and their momentum is not masked (their sent
         positions are not in ``sparse``/``mask``)."""
-        layout, m = b.layout, self.momentum
+        layout, m, scale = b.layout, self.momentum, b.scale
         g = g.float()
         if self.clip_norm is not None:
             limit = self.clip_norm * b.world_size ** -0.5
             norms = layout.segment_sum(g * g).sqrt_()
+            if scale is not None:  # clip_norm is in gradient units
+                norms = norms / scale
             g = g * layout.per_element(torch.clamp(limit / (norms + 1e-6), max=1.0))
         u, v = b.get("momentum"), b.get("velocity")
         u = torch.zeros_like(g) if u is None else u
         if self.nesterov:
-            u = torch.add(u, g).mul_(m)  # u = (u + g) * m
+            u = add_scaled(g, u, scale).mul_(m)  # u = (u + g) * m
             increment = u + g
         else:
-            u = torch.mul(u, m).add_(g)  # u = m * u + g
+            u = torch.mul(u, times_scale(m, scale)).add_(g)  # u = m * u + g
             increment = u
-        v = increment.clone() if v is None else torch.add(v, increment)
+        v = increment.clone() if v is None else add_scaled(increment, v, scale)
         result = yield from compressor.bucket_exchange(v, b)
         v = _none_where_whole(compressor, b, _minus_sent(v, result, own=True))
         if result.sparse is not None:
             u.index_fill_(0, result.sparse[0], 0.0)
         elif result.mask is not None:
             u.masked_fill_(result.mask, 0.0)
-        b.set("momentum", u)
-        b.set("velocity", v)
+        b.set("momentum", unscale_(u, scale))
+        b.set("velocity", unscale_(v, scale))
         return result
 
 
@@ -315,15 +323,15 @@ def _checkable(g: torch.Tensor) -> bool:
 
 
 def _checked_add(x: torch.Tensor, e: torch.Tensor, ctx: TensorContext, observe=None) -> torch.Tensor:
-    """x + e into ``e``'s spare memory, checked as it is written (:func:`kernels.written_finite`), each
-    chunk also handed to ``observe`` (:meth:`Compressor.read_while_written`) while it is cached; if it
-    holds NaN or Inf, ``ctx.input_nonfinite`` is set and the sum zeroed (the step is discarded, and
+    """x + e (e times ``ctx.scale``, if any) into ``e``'s spare memory, checked as it is written
+    (:func:`kernels.written_finite`), each chunk also handed to ``observe``
+    (:meth:`Compressor.read_while_written`) while it is cached; if it holds NaN or Inf, ``ctx.input_nonfinite`` is set and the sum zeroed (the step is discarded, and
     compressors never see non-finite values, nor what was computed from them)."""
     p = ctx.spare("residual", e)
     xs, es, ps = x.reshape(-1), e.reshape(-1), p.view(-1)
 
     def write(a, b):
-        torch.add(xs[a:b], es[a:b], out=ps[a:b])
+        add_scaled(xs[a:b], es[a:b], ctx.scale, out=ps[a:b])
         if observe is not None:
             observe(ps, a, b)
 
@@ -362,10 +370,10 @@ def bucket_exchange(compressor: Compressor, g: torch.Tensor, b) -> Exchange:
     if isinstance(scheme, MomentumCorrection):
         return (yield from scheme.bucket_exchange(compressor, g, b))
     e = b.get("residual")
-    p = g.float() if e is None else torch.add(g, e)
+    p = g.float() if e is None else add_scaled(g, e, b.scale)
     result = yield from compressor.bucket_exchange(p, b)
     e = _minus_sent(p, result, own=e is not None or g.dtype != torch.float32)
-    b.set("residual", _none_where_whole(compressor, b, e))
+    b.set("residual", unscale_(_none_where_whole(compressor, b, e), b.scale))
     return result
 
 

@@ -171,11 +171,20 @@ class GradzipState:
     and host reads are what a step waits for.  Results equal the per-tensor route's up to the order of
     float sums; on this route a skipped (non-finite) step is learnt by the host at the bucket's next
     exchange, which then takes back its step counters.
+
+    ``grad_scaler``: the ``torch.amp.GradScaler`` whose scale the gradients carry (the DDP hook and the
+    optimizer wrapper see them scaled).  State in gradient units (residuals, DGC's momentum and
+    velocity, Signum's momentum, SparseLoCo's accumulator) is then kept unscaled and added back at the
+    current scale, so it stays right as the scaler backs off and grows; the scale is read on the
+    device, never on the host.  Without it such state keeps the units of the scale it was stored under.
     """
 
     def __init__(self, compressor: Compressor | str, *, group: Optional[dist.ProcessGroup] = None,
                  seed: int = 0, transport: Optional[Transport] = None, feedback=None,
-                 group_vectors_below: int = 0, bucketed: Optional[bool] = None, **params):
+                 group_vectors_below: int = 0, bucketed: Optional[bool] = None, grad_scaler=None, **params):
+        if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
+            raise ValueError(f"grad_scaler must be a torch.amp.GradScaler or None, got {type(grad_scaler).__name__}")
+        self.grad_scaler = grad_scaler
         self.group_vectors_below = check_group_vectors_below(group_vectors_below)
         if bucketed not in (None, True, False):
             raise ValueError(f"bucketed must be None (on CUDA only), True or False, got {bucketed!r}")
@@ -254,6 +263,14 @@ class GradzipState:
     @property
     def world_size(self) -> int:
         return self.transport.world_size
+
+    def loss_scale(self, device: torch.device) -> Optional[torch.Tensor]:
+        """``grad_scaler``'s scale, the scaler's own 0-d tensor (which it updates in place) on ``device``;
+        None without a scaler, or before its first ``scale()`` (it makes its scale lazily)."""
+        scale = getattr(self.grad_scaler, "_scale", None)  # get_scale() would wait for the device
+        if scale is None or scale.device == device:
+            return scale
+        return scale.to(device, non_blocking=True)
 
     def set_epoch(self, epoch: int) -> None:
         """Advance epoch-driven schedules (DGC's warm-up).  Call it with the same value on every rank."""
@@ -403,6 +420,7 @@ class GradzipState:
                 ctx.out = target
         for g, ctx in zip(grads, contexts):  # feedback checks g + e as it computes it, where it can
             ctx.check_input = _feedback.checks_input(self.compressor, g, ctx)
+            ctx.scale = self.loss_scale(g.device)
         # A dense method carries any NaN or Inf into the aggregate, which is checked below anyway.
         carried = self.compressor.carries_nonfinite
         nonfinite = not carried and _any_nonfinite([g for g, ctx in zip(grads, contexts) if not ctx.check_input])

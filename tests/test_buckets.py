@@ -207,17 +207,16 @@ def test_a_nonfinite_rank_poisons_every_rank_and_commits_nothing(name, params):
 
 
 def test_an_overflowing_fp16_payload_poisons_the_step():
-    """A finite input whose fp16 payload overflows: the aggregate is not finite, so the step is skipped."""
-    state = GradzipState("fp16", bucketed=True, feedback="residual")
+    """A finite input whose fp16 payload overflows, without error feedback (with it the value is sent
+    saturated: tests/test_amp.py): the aggregate is not finite, so the step is skipped."""
+    state = GradzipState("fp16", bucketed=True)
     _, named = _bucket()
     state.exchange(named)
-    before = state.tensors["layer0"]["residual"].clone()
     _, named = _bucket(seed=1)
     named[0][1][0, 0] = 1e6
     out = state.exchange(named)
     assert all(bool(torch.isnan(o).all()) for o in out if o.numel())
     assert bool(state.last_report.nonfinite)  # the report says so too (DiLoCo's outer step reads it)
-    assert torch.equal(state.tensors["layer0"]["residual"], before)
     assert state.stats()["nonfinite_exchanges"] == 1 and state.steps["layer0"] == 1
 
 

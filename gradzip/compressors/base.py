@@ -11,6 +11,8 @@ That keeps each compressor a few lines of the paper's equations, and makes multi
 from __future__ import annotations
 
 import ctypes
+import functools
+import math
 import threading
 import zlib
 from dataclasses import dataclass, field
@@ -33,6 +35,11 @@ __all__ = [
     "Exchange",
     "check_ratio",
     "value_dtype",
+    "saturation_limit",
+    "wire_cast",
+    "add_scaled",
+    "times_scale",
+    "unscale_",
     "workspace",
     "zeroed",
 ]
@@ -179,6 +186,12 @@ class StagedContext:
     seed: int = 0
     state: dict = field(default_factory=dict)
     updates: dict = field(default_factory=dict)
+    #: The loss scale the gradients carry (``torch.amp.GradScaler``'s, a 0-d float32 tensor on their
+    #: device, never read on the host), or None.  State in gradient units (error feedback's, a method's
+    #: momentum or accumulator) is kept divided by it, so that it follows the scale as the scaler backs
+    #: off and grows: read back with :func:`add_scaled` or :func:`times_scale`, staged after
+    #: :func:`unscale_`.  State in other units (PowerSGD's basis, auto's choices) is not touched.
+    scale: Optional[torch.Tensor] = None
 
     def get(self, name: str, default: Any = None) -> Any:
         return self.updates.get(name, self.state.get(name, default))
@@ -254,6 +267,25 @@ class TensorContext(StagedContext):
         return gen
 
 
+def add_scaled(x: torch.Tensor, state: torch.Tensor, scale: Optional[torch.Tensor],
+               out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x + state * scale (``state`` kept unscaled, see :attr:`StagedContext.scale`), or x + state without
+    a scale: one pass either way.  A power-of-two scale (GradScaler's) multiplies exactly."""
+    return torch.add(x, state, out=out) if scale is None else torch.addcmul(x, state, scale, out=out)
+
+
+def times_scale(factor: float, scale: Optional[torch.Tensor]):
+    """The factor by which to multiply a state kept unscaled to use it as ``factor`` times it in the
+    gradients' units: ``factor * scale`` (a 0-d tensor), or ``factor`` itself without a scale."""
+    return factor if scale is None else scale * factor
+
+
+def unscale_(state: Optional[torch.Tensor], scale: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """``state`` (this exchange's own memory) divided in place by ``scale``, back to unscaled units to be
+    staged; as it is without a scale (or a state)."""
+    return state if scale is None or state is None else state.div_(scale)
+
+
 def check_ratio(name: str, value: float, *, allow_zero: bool = True) -> float:
     is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if not is_number or not ((value >= 0 if allow_zero else value > 0) and value <= 1):
@@ -274,6 +306,40 @@ def value_dtype(name: Optional[str]) -> Optional[torch.dtype]:
     if name not in _DTYPES:
         raise ValueError(f"value_dtype must be one of {sorted(_DTYPES)} or None, got {name!r}")
     return _DTYPES[name]
+
+
+@functools.lru_cache(maxsize=None)
+def saturation_limit(dtype: torch.dtype, summed: int = 1) -> Optional[float]:
+    """The largest value of ``dtype`` of which ``summed`` add up in ``dtype``, in any order, without
+    overflowing; None where ``dtype`` has float32's exponent range (float32 itself, bfloat16: only
+    values in float32's last binade would round to Inf, where float32 sums overflow anyway).
+
+    Each of the summed - 1 additions rounds by at most half an ulp of dtype's largest value, so
+    values up to (largest - (summed - 1) * ulp / 2) / summed, rounded down to dtype, keep every partial
+    sum finite (fp16: 65504 for one rank, 32736 for two)."""
+    info = torch.finfo(dtype)
+    if math.frexp(info.max)[1] >= math.frexp(torch.finfo(torch.float32).max)[1]:
+        return None
+    half_ulp = 2.0 ** (math.frexp(info.max)[1] - 2) * info.eps
+    bound = (info.max - (summed - 1) * half_ulp) / summed
+    ulp = 2.0 ** (math.frexp(bound)[1] - 1) * info.eps  # of dtype's values in bound's binade
+    return math.floor(bound / ulp) * ulp
+
+
+def wire_cast(x: torch.Tensor, dtype: torch.dtype, saturate: bool, summed: int = 1,
+              out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x`` (float32) rounded to the wire dtype ``dtype`` (into ``out``, when given).
+
+    ``saturate`` (:attr:`Compressor.saturates`: a method with error feedback): a value beyond what
+    ``dtype`` carries is sent as the largest one of its sign, :func:`saturation_limit` (fp16: 65504;
+    ``summed``: how many ranks' values an allreduce adds in ``dtype``), and ``sent`` says so, so that
+    error feedback keeps the excess and sends it later.  Otherwise it overflows to Inf, and the owner
+    skips the step as non-finite (``GradScaler``'s contract).  Saturation turns Inf into a finite
+    value: the owner must check such a method's input (``carries_nonfinite`` False).  One clamp."""
+    limit = saturation_limit(dtype, summed) if saturate else None
+    if limit is not None:
+        x = torch.clamp(x, -limit, limit)
+    return x.to(dtype) if out is None else out.copy_(x)
 
 
 class Compressor:
@@ -308,6 +374,12 @@ class Compressor:
         if feedback not in self.feedbacks:
             raise ValueError(f"{self.name}: feedback must be one of {list(self.feedbacks)}, got {feedback!r}")
         self.feedback = feedback
+
+    @property
+    def saturates(self) -> bool:
+        """Whether wire values beyond their dtype's range are sent saturated (:func:`wire_cast`): with
+        error feedback, which keeps the excess; without, they overflow and the step is skipped."""
+        return self.feedback != "none"
 
     @property
     def applies_momentum(self) -> bool:

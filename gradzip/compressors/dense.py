@@ -3,14 +3,20 @@ from __future__ import annotations
 
 import torch
 
-from .base import AllReduce, Exchanged, SummableCompressor, TensorContext, workspace
+from .base import AllReduce, Exchanged, SummableCompressor, TensorContext, saturation_limit, wire_cast, workspace
 from .registry import register
 
 
-def divided(x: torch.Tensor, ctx: TensorContext, dtype: torch.dtype) -> torch.Tensor:
+def divided(x: torch.Tensor, ctx: TensorContext, dtype: torch.dtype, saturate: bool = False) -> torch.Tensor:
     """x / N in fp32, rounded once to ``dtype``, in the tensor's payload buffer.  Division and cast are
-    two steps: on CPUs a division writing a 16-bit type directly takes twice as long as both."""
+    two steps: on CPUs a division writing a 16-bit type directly takes twice as long as both.
+    ``saturate``: beyond what N ranks' values can sum to in ``dtype``, sent saturated (:func:`wire_cast`)."""
     payload = ctx.buffer("payload", x.shape, dtype, x.device)
+    limit = saturation_limit(dtype, ctx.world_size) if saturate else None
+    if limit is not None:
+        scratch = workspace("divided", x.numel(), x.dtype, x.device).view(x.shape)
+        share = x if ctx.world_size == 1 else torch.div(x, ctx.world_size, out=scratch)
+        return payload.copy_(torch.clamp(share, -limit, limit, out=scratch))
     if ctx.world_size == 1:  # x / 1 == x
         return payload.copy_(x)
     if dtype == x.dtype:
@@ -68,13 +74,18 @@ class NoCompression(SummableCompressor):
 class _HalfCast(SummableCompressor):
     # Divide by N before the cast, as PyTorch's fp16 hook does, so the sum cannot overflow fp16.
     half_dtype: torch.dtype
-    carries_nonfinite = True  # a cast keeps NaN and Inf (and makes values above the half range Inf)
 
     def __init__(self, feedback: str | None = None):
         super().__init__(feedback)
 
+    @property
+    def carries_nonfinite(self) -> bool:
+        # A cast keeps NaN and Inf (and makes values above the half range Inf); with error feedback
+        # fp16 values are sent saturated (wire_cast), which turns Inf finite: the owner checks the input.
+        return not (self.saturates and saturation_limit(self.half_dtype) is not None)
+
     def compress(self, x, ctx):
-        return divided(x, ctx, self.half_dtype)
+        return divided(x, ctx, self.half_dtype, self.saturates)
 
     def decompress(self, payload, ctx):
         return payload.float().mul_(ctx.world_size)
@@ -102,7 +113,8 @@ class _HalfCast(SummableCompressor):
 
     def bucket_exchange(self, p, b):
         # x / N in fp32 (exact for N = 1), rounded once to the half type, as in exchange()
-        payload = (p if b.world_size == 1 else torch.div(p, b.world_size)).to(self.half_dtype)
+        share = p if b.world_size == 1 else torch.div(p, b.world_size)
+        payload = wire_cast(share, self.half_dtype, self.saturates, summed=b.world_size)
         total = yield AllReduce(payload)
         return Exchanged(total, lambda: payload.float().mul_(b.world_size))
 

@@ -31,7 +31,7 @@ from .. import kernels
 from ..bits import pack_bits, packed_nbytes, select, unpack_bits
 from .bucket import SizeClass, pack_signs, unpack_signs
 from .base import (AllGather, Exchanged, GatheredCompressor, TensorContext, chunked_sum, column_counts, compare,
-                   packed_codes, workspace)
+                   packed_codes, times_scale, workspace)
 from .registry import register
 
 #: How signSGD/Signum read an exact zero: "abstain" (sign 0, ternary code) or "plus" (sign +1, one bit).
@@ -618,14 +618,14 @@ class Signum(_SignVote):
     def _momentum(self, m: torch.Tensor, x: torch.Tensor, ctx: TensorContext) -> torch.Tensor:
         """beta * m + (1 - beta) * x, never in the committed m's memory (it may still be read): in its
         spare where the state keeps one, else in a fresh tensor (fused where that pays)."""
-        fusable = all(t.dtype == torch.float32 and t.is_contiguous() for t in (m, x))
+        fusable = all(t.dtype == torch.float32 and t.is_contiguous() for t in (m, x)) and ctx.scale is None
         if ctx.buffers is None and fusable and kernels.enabled(x.numel()):
             fused = _momentum(m, x, beta=self.beta)  # same layout, so mean_abs adds in the same order
             if fused is not None:
                 return fused
         step = torch.mul(x, 1 - self.beta, out=workspace("signum", x.numel(), x.dtype, x.device).view(x.shape))
         out = ctx.spare(self.state_key, m) if m.is_contiguous() else None  # a spare is contiguous
-        return torch.mul(m, self.beta, out=out).add_(step)
+        return torch.mul(m, times_scale(self.beta, ctx.scale), out=out).add_(step)
 
     def signs_of(self, x, ctx):
         m = ctx.get(self.state_key)
@@ -633,7 +633,7 @@ class Signum(_SignVote):
             m = (1 - self.beta) * x
         else:  # beta * m + (1 - beta) * x, rounded as written
             m = self._momentum(m, x, ctx)
-        ctx.set(self.state_key, m)
+        ctx.set(self.state_key, m if ctx.scale is None else m / ctx.scale)  # kept unscaled (ctx.scale)
         return m
 
     bucket_state = (state_key,)
@@ -641,8 +641,11 @@ class Signum(_SignVote):
     def bucket_signs_of(self, p, b):
         """m = beta * m + (1 - beta) * p over the whole bucket (float32), rounded as :meth:`signs_of`."""
         m = b.get(self.state_key)
-        m = torch.mul(p, 1 - self.beta) if m is None else torch.mul(m, self.beta).add_(torch.mul(p, 1 - self.beta))
-        b.set(self.state_key, m)
+        if m is None:
+            m = torch.mul(p, 1 - self.beta)
+        else:
+            m = torch.mul(m, times_scale(self.beta, b.scale)).add_(torch.mul(p, 1 - self.beta))
+        b.set(self.state_key, m if b.scale is None else m / b.scale)  # kept unscaled (b.scale)
         return m
 
 

@@ -18,7 +18,7 @@ from .. import kernels
 from ..bits import index_dtype
 from .base import AllGather, AllReduce, Compressor, Exchanged, GatheredCompressor, TensorContext, check_ratio
 from .base import value_dtype as _parse_value_dtype
-from .base import compare, count_true, workspace, zeroed
+from .base import compare, count_true, wire_cast, workspace, zeroed
 from .registry import register
 
 
@@ -66,7 +66,8 @@ class Sparsifier(GatheredCompressor):
         else:
             idx = self.select(flat, ctx) if passed is None else _where(passed)
             if not self.sends_dense(ctx, idx.numel()):
-                return (flat.index_select(0, idx).to(vdtype), idx.to(index_dtype(n))), idx, None
+                values = wire_cast(flat.index_select(0, idx), vdtype, self.saturates)
+                return (values, idx.to(index_dtype(n))), idx, None
             mask = zeroed(ctx.buffer("sent mask", (n,), torch.bool, flat.device)).index_fill_(0, idx, True)
         values = ctx.buffer("dense values", (n,), vdtype, flat.device)
         if passed is None or not self.values_where_passed(flat, values):
@@ -74,7 +75,7 @@ class Sparsifier(GatheredCompressor):
             if vdtype == flat.dtype:
                 torch.where(mask, flat, zero, out=values)
             else:
-                values.copy_(torch.where(mask, flat, zero))
+                wire_cast(torch.where(mask, flat, zero), vdtype, self.saturates, out=values)
         return (values, torch.empty(0, dtype=index_dtype(n), device=flat.device)), None, mask
 
     def values_where_passed(self, flat: torch.Tensor, out: torch.Tensor) -> bool:
@@ -205,7 +206,8 @@ class TopK(Sparsifier):
                 values.append(rows.gather(1, idx).view(-1))
                 positions.append(idx.add_(size.starts.view(-1, 1)).view(-1))
         position = torch.cat(positions) if positions else torch.empty(0, dtype=torch.int64, device=p.device)
-        value = torch.cat(values).to(vdtype) if values else torch.empty(0, dtype=vdtype, device=p.device)
+        value = wire_cast(torch.cat(values), vdtype, self.saturates) if values else \
+            torch.empty(0, dtype=vdtype, device=p.device)
         dense = self._bucket_dense(layout, position.numel())
         if dense:
             fields = (torch.zeros(layout.numel, dtype=vdtype, device=p.device).index_put_((position,), value),)
@@ -521,9 +523,10 @@ class SharedSparsifier(Compressor):
         """Allreduce ``scale * x[idx]``; the aggregate is the mean, ``sent`` this rank's decoded share."""
         flat = x.reshape(-1)
         vdtype = self.values_dtype(ctx)
-        # A 16-bit sum could overflow: divide by N before the cast, as the fp16 baseline does.
+        # A 16-bit sum could overflow: divide by N before the cast, as the fp16 baseline does (and with
+        # error feedback saturate each rank's share so that the N of them cannot sum past the range).
         pre = ctx.world_size if vdtype.itemsize == 2 else 1
-        payload = _times(flat.index_select(0, idx), scale / pre).to(vdtype)
+        payload = wire_cast(_times(flat.index_select(0, idx), scale / pre), vdtype, self.saturates, summed=pre)
         total = yield AllReduce(payload)
         aggregate = zeroed(ctx.buffer("aggregate", (flat.numel(),), torch.float32, x.device))
         means = _times(total.float(), pre / ctx.world_size)
@@ -585,7 +588,7 @@ class RandomK(SharedSparsifier):
             positions.append(idx)
             values.append(_times(p.index_select(0, idx), scale / pre))
         idx = torch.cat(positions) if positions else torch.empty(0, dtype=torch.int64, device=p.device)
-        payload = (torch.cat(values) if values else p.new_empty(0)).to(vdtype)
+        payload = wire_cast(torch.cat(values) if values else p.new_empty(0), vdtype, self.saturates, summed=pre)
         total = yield AllReduce(payload)
         aggregate = torch.zeros(layout.numel, dtype=torch.float32, device=p.device)
         aggregate.index_copy_(0, idx, _times(total.float(), pre / b.world_size))
@@ -620,7 +623,7 @@ class MaskedBucket:
     def bucket_exchange(self, p, b):
         vdtype = self._vdtype or b.layout.dtype
         kept = self.__dict__.setdefault("_bucket_kept", {})
-        return (yield from masked_bucket_exchange(p, b, self.bucket_mask(p, b), vdtype, kept))
+        return (yield from masked_bucket_exchange(p, b, self.bucket_mask(p, b), vdtype, kept, self.saturates))
 
     def bucket_payload_bytes(self, layout, kept: Optional[int] = None) -> int:
         """Bytes sent for K = ``kept`` pairs (None: the K of this bucket's last exchange)."""
@@ -639,15 +642,17 @@ def _pairs_exceed(kept: int, n: int, vbytes: int) -> bool:
     return kept * (vbytes + index_dtype(n + 1).itemsize) > n * vbytes
 
 
-def masked_bucket_exchange(p: torch.Tensor, b, passed: torch.Tensor, vdtype: torch.dtype, kept_by_bucket: dict):
-    """See :class:`MaskedBucket`.  ``kept_by_bucket`` records K under the bucket's keys."""
+def masked_bucket_exchange(p: torch.Tensor, b, passed: torch.Tensor, vdtype: torch.dtype, kept_by_bucket: dict,
+                           saturate: bool):
+    """See :class:`MaskedBucket`.  ``kept_by_bucket`` records K under the bucket's keys; ``saturate``:
+    :func:`~.base.wire_cast`'s."""
     n = b.layout.numel
     own = torch.count_nonzero(passed).view(1)
     most = yield AllReduce(own, op="max")
     kept, mine = torch.cat([most, own]).tolist()  # the bucket's one host read: K and this rank's count
     kept_by_bucket[b.layout.keys] = kept
     idx = torch.nonzero_static(passed, size=kept, fill_value=n).view(-1)  # ascending, then the padding
-    values = p.index_select(0, idx.clamp(max=n - 1)).to(vdtype)
+    values = wire_cast(p.index_select(0, idx.clamp(max=n - 1)), vdtype, saturate)
     dense = _pairs_exceed(kept, n, vdtype.itemsize)
     if dense:
         fields = (torch.zeros(n, dtype=vdtype, device=p.device).index_copy_(0, idx[:mine], values[:mine]),)
@@ -894,7 +899,8 @@ class DGC(MaskedBucket, Sparsifier):
             values = p.index_select(0, at)
             dense = yield AllReduce((values if b.world_size == 1 else values / b.world_size).to(b.layout.dtype))
         kept = self.__dict__.setdefault("_bucket_kept", {})
-        result = yield from masked_bucket_exchange(p, b, passed, self._vdtype or b.layout.dtype, kept)
+        vdtype = self._vdtype or b.layout.dtype
+        result = yield from masked_bucket_exchange(p, b, passed, vdtype, kept, self.saturates)
         if dense is not None:
             result.aggregate.index_copy_(0, at, dense.float())
         return result
@@ -1175,7 +1181,7 @@ class CSC(SharedSparsifier):
             positions.append(torch.where(at < size.numel, at + size.starts.view(-1, 1), n).view(-1))  # padding: n
         at = torch.cat(positions) if positions else torch.empty(0, dtype=torch.int64, device=p.device)
         values = torch.cat([p, p.new_zeros(1)]).index_select(0, at)  # the padding's values are zero
-        payload = _times(values, 1 / pre).to(vdtype)
+        payload = wire_cast(_times(values, 1 / pre), vdtype, self.saturates, summed=pre)
         total = yield AllReduce(payload)
         aggregate = torch.zeros(n + 1, dtype=torch.float32, device=p.device)
         aggregate.index_put_((at,), _times(total.float(), pre / b.world_size))

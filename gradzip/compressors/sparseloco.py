@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from ..bits import index_dtype, pack_bits, packed_nbytes, unpack_bits
-from .base import AllGather, Compressor, Exchanged, TensorContext, workspace, zeroed
+from .base import AllGather, Compressor, Exchanged, TensorContext, times_scale, unscale_, workspace, zeroed
 from .registry import register
 from .sparse import _check_int, _check_number
 
@@ -124,7 +124,7 @@ class SparseLoCo(Compressor):
         if old is None:
             e = torch.clone(x, memory_format=torch.contiguous_format)
         else:
-            e = torch.mul(old, self.decay, out=ctx.spare(self.state_key, old)).add_(x)
+            e = torch.mul(old, times_scale(self.decay, ctx.scale), out=ctx.spare(self.state_key, old)).add_(x)
         flat = e.view(-1)
         gathered = yield AllGather(self.encode(flat), same_size=True)
         n = flat.numel()
@@ -136,7 +136,7 @@ class SparseLoCo(Compressor):
             if rank == ctx.rank:
                 own = (idx, values)
         flat.index_add_(0, own[0], own[1], alpha=-1)  # e = e - D(C(e)), only where something was sent
-        ctx.set(self.state_key, e)
+        ctx.set(self.state_key, unscale_(e, ctx.scale))  # kept unscaled (ctx.scale)
         return Exchanged(total.div_(len(gathered)).view(ctx.shape), sparse=own)
 
     # -- the bucket route ---------------------------------------------------------------------------------
@@ -168,7 +168,7 @@ class SparseLoCo(Compressor):
         largest tensor's n) positions."""
         layout = b.layout
         old = b.get(self.state_key)
-        e = torch.clone(p) if old is None else torch.mul(old, self.decay).add_(p)
+        e = torch.clone(p) if old is None else torch.mul(old, times_scale(self.decay, b.scale)).add_(p)
         blocks = self.bucket_blocks(e, layout)
         encoded = [self.encode_rows(block, k) for block, _, k in blocks]
         empty = e.new_empty(0)
@@ -184,7 +184,7 @@ class SparseLoCo(Compressor):
             if rank == b.rank:
                 own = (idx, values)
         e.index_add_(0, own[0], own[1], alpha=-1)  # e = e - D(C(e)), only where something was sent
-        b.set(self.state_key, e)
+        b.set(self.state_key, unscale_(e, b.scale))
         return Exchanged(total.div_(b.world_size), sparse=own)
 
     def bucket_decode(self, fields: tuple, blocks: list, kept: int) -> tuple:

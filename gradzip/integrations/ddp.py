@@ -40,6 +40,9 @@ def register(ddp_model: DistributedDataParallel, compressor="none", *, group: "O
     the path of a file holding one, alone or under a ``"gradzip"`` key of a whole checkpoint;
     ``{rank}`` in the path is replaced by this rank.  A file that is missing or holds no gradzip state
     raises, so a resumed run never silently starts its error feedback from zero.
+
+    Under ``torch.amp.GradScaler`` pass ``grad_scaler=scaler`` (a :class:`GradzipState` argument, as are
+    the other keywords besides the compressor's parameters): the hook sees scaled gradients.
     """
     if not isinstance(ddp_model, DistributedDataParallel):
         raise ValueError(

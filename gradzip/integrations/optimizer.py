@@ -30,7 +30,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     ``backward_passes_per_step``: gradients of that many backward passes are accumulated locally and
     exchanged at the end of the last one (their sum is averaged over workers, as in Horovod).
-    ``bucket_cap_mb`` bounds the fused buckets.  Other keyword arguments are the compressor's parameters.
+    ``bucket_cap_mb`` bounds the fused buckets.  Other keyword arguments are :class:`GradzipState`'s
+    (``grad_scaler=`` under ``torch.amp.GradScaler``: the exchange sees scaled gradients) and the
+    compressor's parameters.
     Weight decay and any other optimizer term stay local: the optimizer applies them to the averaged
     gradient.  If any rank's gradients hold NaN or Inf, every rank gets NaN gradients for that step, so
     ``GradScaler`` skips it everywhere.
