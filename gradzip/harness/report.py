@@ -192,14 +192,19 @@ def write_markdown(rows: list, path: Path, *, title: str, description: str, fini
     if tuned_lrs:
         lines += ["", "## Tuned learning rates", "",
                   f"Chosen by the best mean {tuned_lrs['score'].replace('_', ' ')} over tuning seeds "
-                  f"{tuned_lrs['seeds']} on a held-out {tuned_lrs['validation']:g} of the training set.", "",
+                  f"{tuned_lrs['seeds']} on a held-out {tuned_lrs['validation']:g} of the training set"
+                  + (f"; the grid widened beyond its edges at most {tuned_lrs['widen']} times per setting while the "
+                     f"best lr was at an edge (—: not tried for that setting)" if tuned_lrs.get("widen") else "")
+                  + ".", "",
                   "| method | workers | tuned at | lr | " + " | ".join(f"lr {lr:g}" for lr in tuned_lrs["lrs"]) + " |",
                   "|---|---|---|---|" + "---|" * len(tuned_lrs["lrs"])]
         for label, per_workers in tuned_lrs["methods"].items():
             for workers, choice in per_workers.items():
-                scores = [choice["scores"].get(f"{lr:g}") for lr in tuned_lrs["lrs"]]
-                lines.append(f"| {label} | {workers} | {choice['tuned_at_workers']} | {choice['lr']:g} | "
-                             + " | ".join("failed" if s is None else f"{s:.4f}" for s in scores) + " |")
+                scores = [choice["scores"].get(f"{lr:g}", "—") for lr in tuned_lrs["lrs"]]  # —: not tried
+                edge = " (at the edge)" if choice.get("at_edge") else ""
+                lines.append(f"| {label} | {workers} | {choice['tuned_at_workers']} | {choice['lr']:g}{edge} | "
+                             + " | ".join("failed" if s is None else s if s == "—" else f"{s:.4f}" for s in scores)
+                             + " |")
     lines += ["", "## Plots", ""] + [f"![{p[:-4].replace('_', ' ')}]({p})" for p in PLOTS]
     path.write_text("\n".join(lines) + "\n")
 
