@@ -296,15 +296,15 @@ def _codepoints(text: str) -> np.ndarray:
 
 def _corpus_vocab(train_codes: np.ndarray) -> np.ndarray:
     """The characters (sorted code points) that occur at least once per 100,000 characters of the train text."""
-    codes, counts = np.unique(train_codes, return_counts=True)
-    return codes[counts >= max(1, len(train_codes) // 100_000)]
+    counts = np.bincount(train_codes)
+    return np.flatnonzero(counts >= max(1, len(train_codes) // 100_000)).astype(np.uint32)
 
 
 def _encode(codes: np.ndarray, vocab: np.ndarray) -> torch.Tensor:
     """Ids of the code points: their index in ``vocab``, or ``len(vocab)`` (the "<unk>" id) outside it."""
-    index = np.searchsorted(vocab, codes).clip(max=max(len(vocab) - 1, 0))
-    known = vocab[index] == codes if len(vocab) else np.zeros(len(codes), bool)
-    return torch.from_numpy(np.where(known, index, len(vocab)).astype(np.int64))
+    table = np.full(max(int(codes.max(initial=0)), int(vocab.max(initial=0))) + 1, len(vocab), dtype=np.int64)
+    table[vocab] = np.arange(len(vocab))
+    return torch.from_numpy(table[codes])
 
 
 def _corpus_texts(data_dir: Optional[Path]) -> tuple[str, str, object]:
