@@ -9,15 +9,17 @@ Every run: the harness's GPT (2 blocks, width 128, context 64; 0.42M parameters)
 ``corpus`` dataset (the Python documentation's sources, Debian package python3-doc: 10.0 MB of training
 text, 49 held-out documents as test), 2 worker processes (gloo), AdamW, 16 sequences of 64 characters per
 worker per (inner) step, test loss on 512 held-out sequences every ``--eval-every`` steps (DiLoCo: of its
-global parameters theta_g).  1000 steps are 0.2 passes over the training data, so no contender can win by
-memorising it (the license texts of the earlier version of this benchmark gave 19 passes).
+global parameters theta_g).  800 steps are 0.16 passes over the training data (the lone worker's 1600
+steps too), so no contender can win by memorising it (the license texts of the earlier version of this
+benchmark gave 19 passes).
 
-The comparison (default), ``--steps`` S inner steps each, every seed of ``--seeds``:
+The comparison (default), ``--steps`` S inner steps each (800), every seed of ``--seeds`` (0, 1, 2):
 - dense DDP at the learning rate tuned first: the grid ``--lrs`` on a 10% validation split of the training
   set (seed 0, S steps), widened while the best is at an edge (``gradzip.harness.sweep.bracket_lr``); every
   contender then uses that lr;
 - per-step methods: bf16, PowerSGD (rank 2) and Top-k 1%, every step;
-- DiLoCo at every H of ``--hs`` that gives at least 10 syncs in S steps: plain parameter averaging (outer lr
+- DiLoCo at every H of ``--hs`` (10, 50, 200) that gives at least 10 syncs in S steps (S = 800: H = 10
+  and 50; H = 200 needs ``--steps 2000``): plain parameter averaging (outer lr
   1, no momentum), the DiLoCo paper's outer step (lr 0.7, Nesterov 0.9), SparseLoCo (outer lr 1), and
   gradzip's 4-bit quantiser (qsgd levels 7, max norm; outer lr 1) as a compressed outer method;
 - one worker alone, for 2S steps, so that it also reaches the others' number of tokens.
@@ -32,19 +34,29 @@ run trains once, unthrottled, and its losses are read at the step its projected 
 version ran every contender behind emulated links (gradzip.netem, root), one seed: the cost model's
 alpha-beta projection came within 8% of such runs on the CNN (docs/results/cost_model.md).
 
-``--grid``: DiLoCo with ``compressor="none"``, outer lr x outer momentum (Nesterov) x H, at the tuned lr.
+``--grid``: DiLoCo with ``compressor="none"``, outer lr (0.5, 0.7, 1, 1.4) x outer momentum (Nesterov; 0,
+0.5, 0.9) x H (as above), at the tuned lr, seed 0 (``--grid-seeds``).
 
 Runs go to ``--out-dir``/{tuning,main,grid}/<name>; a finished run (its summary.json exists) is not run
 again, so an interrupted benchmark resumes where it stopped.
 
-Cost (``--estimate``, 20-step cells of dense DDP and DiLoCo on 2 cores that 4 other jobs shared, load
-about 5; start-up = spawning 2 workers, loading the corpus, building the model): ESTIMATE_PENDING
+Cost, estimated with ``--estimate`` (not run in full): fresh 20-step cells of dense DDP and DiLoCo, timed
+while other jobs shared the 2 cores, extrapolated to every planned run, and scaled to idle cores by one
+training step's CPU time on one thread over the cell's step.  Two estimates, minutes apart:
+  load 4.6: dense 13.0 s start-up, 157 ms/step; DiLoCo 12.0 s, 98 ms/step; 0.9 s per evaluation; x0.54
+  load 3.6: DiLoCo 6.9 s start-up, 67 ms/step; 0.7 s per evaluation; x0.65
+  comparison (39 runs + about 4 tuning runs): 93 and 60 minutes as measured, 50 and 39 on 2 idle cores;
+  grid (24 runs):                             42 and 29 minutes as measured, 22 and 19 on 2 idle cores;
+  ``--steps 600`` (H = 50 still 12 syncs) takes about a quarter less; ``--steps 2000`` (H = 200 too, 51
+  runs) about 2 hours on 2 idle cores.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import os
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -205,6 +217,7 @@ def main_table(runs: dict, fields: dict, steps: int, grads: list) -> list:
         cells = [_pm([loss_at_step(r, steps) for r in seeds]), _pm([loss_at_step(r, tokens // per_token) for r in seeds])]
         cells += [_pm([loss_within(r, 1e3 * horizon[link] / ms[label, link]) for r in seeds]) for link in LINKS]
         kib = statistics.mean(r["summary"]["total_bytes_sent"] / r["summary"]["steps"] / 1024 for r in seeds)
+        kib *= seeds[0]["summary"]["workers"] > 1  # a lone worker's gradzip counts what it would send: nothing
         passes = statistics.mean(r["summary"]["passes"] for r in seeds)
         lines.append(f"| {label} | {len(seeds)} | {passes:.2f} | " + " | ".join(cells) + f" | {kib:.1f} | "
                      + " | ".join(f"{ms[label, link]:.1f}" for link in LINKS) + " |")
@@ -227,9 +240,32 @@ def grid_table(runs: dict, hs, steps: int) -> list:
 # --------------------------------------------------------------------------------------- running
 
 
+def _cpu_step_s(steps: int = 30) -> float:
+    """CPU seconds of one local step on one thread (what each of 2 workers on 2 idle cores spends)."""
+    torch.set_num_threads(1)
+    from gradzip.harness.data import load_dataset
+    from gradzip.harness.models import build_model
+
+    data, info = load_dataset("corpus", seq_len=BASE["seq_len"])
+    torch.manual_seed(0)
+    model = build_model("gpt", info)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    b = BASE["batch_size"]
+    for i in range(steps + 5):
+        if i == 5:
+            start = time.thread_time()
+        x, y = data[i * b: (i + 1) * b]
+        opt.zero_grad()
+        out = model(x)
+        torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)).backward()
+        opt.step()
+    return (time.thread_time() - start) / steps
+
+
 def estimate(args) -> None:
     """Time 20-step cells of dense DDP and DiLoCo and extrapolate to every run of both sweeps."""
     out_dir, cell = Path(args.out_dir) / "estimate", {}
+    shutil.rmtree(out_dir, ignore_errors=True)  # time fresh runs, start-up included
     for label, fields in (("dense DDP", PER_STEP["dense DDP"]),
                           ("diloco", dict(compressor="none", outer="diloco:sync_every=10,outer_lr=1,outer_momentum=0"))):
         start = time.perf_counter()
@@ -250,16 +286,20 @@ def estimate(args) -> None:
     tuning = [(True, args.steps)] * (len(args.lrs) + 1)
     grid = [(False, args.steps)] * len(grid_cells(hs_for(args.steps, args.hs))) * len(args.grid_seeds)
     validation = len(tuning) * (15_600 / BASE["test_size"] - args.steps // args.eval_every) * cell["diloco"][2]
-    print(f"comparison: {len(main)} runs + {len(tuning)} tuning runs, about "
-          f"{(cost(main) + cost(tuning) + validation) / 60:.0f} "
-          f"minutes; grid: {len(grid)} runs, about {cost(grid) / 60:.0f} minutes")
+    idle = _cpu_step_s() / cell["diloco"][1]  # < 1 when other jobs slowed the cells down
+    load = os.getloadavg()[0]
+    for what, factor in ((f"as measured (load average {load:.1f})", 1.0),
+                         (f"on 2 idle cores (x{idle:.2f}: one thread's CPU time per step / the cell's step)", idle)):
+        print(f"{what}: comparison {len(main)} runs + {len(tuning)} tuning runs, about "
+              f"{factor * (cost(main) + cost(tuning) + validation) / 60:.0f} minutes; grid {len(grid)} runs, about "
+              f"{factor * cost(grid) / 60:.0f} minutes")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="write the Markdown tables here too")
     parser.add_argument("--out-dir", default="runs/bench-diloco-gpt")
-    parser.add_argument("--steps", type=int, default=1000, help="inner steps per run (the lone worker: twice)")
+    parser.add_argument("--steps", type=int, default=800, help="inner steps per run (the lone worker: twice)")
     parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--grid-seeds", type=int, nargs="+", default=[0])
