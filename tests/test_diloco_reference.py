@@ -100,7 +100,7 @@ def test_diloco_equals_a_plain_torch_reference_bit_for_bit():
     ranks = run_workers(_compare, 2)
     for setting in SETTINGS:
         for rank, result in enumerate(ranks):
-            (replicas, theta_g, syncs), (ref_replicas, ref_theta_g, before_sync) = (
+            (replicas, theta_g, syncs), (ref_replicas, ref_theta_g, _) = (
                 result[setting]["gradzip"], result[setting]["reference"])
             assert syncs == SYNCS and len(theta_g) == len(ref_theta_g) == SYNCS
             for step, (mine, ref) in enumerate(zip(replicas, ref_replicas)):
