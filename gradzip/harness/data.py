@@ -39,7 +39,7 @@ class DatasetInfo:
     """What a model needs to know about a dataset.
 
     ``input_shape`` is one sample's shape (``(seq_len,)`` for text); ``num_classes`` is the number of
-    labels, or the vocabulary size for a language model; ``vocab`` (text and chars) maps ids to tokens.
+    labels, or the vocabulary size for a language model; ``vocab`` (text, chars, corpus) maps ids to tokens.
     """
 
     name: str
