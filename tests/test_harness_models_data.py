@@ -286,6 +286,101 @@ def test_chars_on_debians_license_texts():
     assert all("".join(info.vocab[i] for i in row) not in train_text for row in test.tensors[0].tolist())
 
 
+def _docs_tree(root, version="3.11"):
+    """A python3-doc-like tree: 12 documents, each a distinct letter repeated, in two folders."""
+    sources = root / f"python{version}" / "html" / "_sources"
+    for i in range(12):
+        folder = sources / ("library" if i % 2 else "tutorial")
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"doc{i:02d}.rst.txt").write_text(chr(ord("a") + i) * 40 + "\n")
+    (sources / "library" / "link.rst.txt").symlink_to(sources / "library" / "doc01.rst.txt")
+    (sources / "image.png").write_bytes(b"not text")
+    return sources
+
+
+def test_corpus_holds_out_whole_documents_and_is_deterministic(tmp_path, monkeypatch):
+    sources = _docs_tree(tmp_path)
+    _docs_tree(tmp_path, "3.9")  # an older version beside it: the newest is read
+    monkeypatch.setattr(data_module, "PYTHON_DOCS_GLOB", str(tmp_path / "python3.*" / "html" / "_sources"))
+    assert data_module.python_docs_dir() == sources
+    train_docs, test_docs = data_module.corpus_documents(sources)
+    names = lambda docs: [p.relative_to(sources).as_posix() for p in docs]  # noqa: E731
+    # Sorted by path: library/doc01, 03, ..., 11, then tutorial/doc00, ..., 10; the 10th is held out.
+    assert names(test_docs) == ["tutorial/doc06.rst.txt"]
+    assert len(train_docs) == 11 and not set(train_docs) & set(test_docs)
+    train, info = load_dataset("corpus", seq_len=8)
+    test, _ = load_dataset("corpus", train=False, seq_len=8)
+    text = "".join(p.read_text() for p in train_docs)
+    assert len(text) == 11 * 41 and len(train) == (len(text) - 1) // 8
+    # Every character of the train text occurs >= 1 time per 100,000: all of them, plus "<unk>".
+    assert info.vocab == ("\n", *"abcdefhijkl", "<unk>") and info.num_classes == 13
+    decode = lambda ids: "".join(info.vocab[i] for i in ids)  # noqa: E731
+    assert decode(train.tensors[0].flatten()) == text[: 8 * len(train)]
+    assert decode(train.tensors[1][0]) == text[1:9]
+    # The test document's "g" is not in the train text: <unk>.  Its 5 windows come in a fixed shuffled order.
+    assert len(test) == 5
+    rows = sorted(decode(row) for row in test.tensors[0])
+    assert rows == sorted(decode(row) for row in test.tensors[0][torch.arange(5)])
+    assert set("".join(rows).replace("<unk>", "")) == set() and all(row == "<unk>" * 8 for row in rows)
+    again, _ = load_dataset("corpus", train=False, seq_len=8)
+    assert torch.equal(again.tensors[0], test.tensors[0]) and torch.equal(again.tensors[1], test.tensors[1])
+
+
+def test_corpus_test_windows_are_a_fixed_permutation(tmp_path):
+    (tmp_path / "train.txt").write_text("abcdefgh" * 5)
+    (tmp_path / "test.txt").write_text("abcdefgh" * 5 + "Z")
+    test, info = load_dataset("corpus", data_dir=tmp_path, train=False, seq_len=4)
+    assert info.vocab == (*"abcdefgh", "<unk>")
+    decode = lambda ids: "".join(info.vocab[i] for i in ids)  # noqa: E731
+    order = np.random.RandomState(0).permutation(10)  # (41 - 1) // 4 windows
+    whole = "abcdefgh" * 5
+    assert [decode(row) for row in test.tensors[0]] == [whole[4 * i: 4 * i + 4] for i in order]
+    assert decode(test.tensors[1][list(order).index(9)]) == "fgh<unk>"  # "Z" is not in the train text
+
+
+def test_corpus_vocabulary_keeps_characters_seen_once_per_100000(tmp_path):
+    (tmp_path / "train.txt").write_text("a" * 199_998 + "bb" + "c")  # 200,001 characters: keep 2 or more
+    (tmp_path / "test.txt").write_text("ab\u00e9c")
+    train, info = load_dataset("corpus", data_dir=tmp_path, seq_len=4)
+    assert info.vocab == ("a", "b", "<unk>")  # c once: <unk>
+    assert train.tensors[1][-1].tolist() == [0, 1, 1, 2]  # the last window ends "abbc"
+    test, _ = load_dataset("corpus", data_dir=tmp_path, train=False, seq_len=3)
+    assert test.tensors[0][0].tolist() == [0, 1, 2] and test.tensors[1][0].tolist() == [1, 2, 2]  # é and c
+
+
+def test_corpus_missing_says_which_package(tmp_path, monkeypatch):
+    monkeypatch.setattr(data_module, "PYTHON_DOCS_GLOB", str(tmp_path / "python3.*" / "html" / "_sources"))
+    with pytest.raises(DataNotFoundError) as excinfo:
+        load_dataset("corpus")
+    one_line_error(excinfo, "python3-doc", "--data-dir")
+    with pytest.raises(DataNotFoundError) as excinfo:
+        load_dataset("corpus", data_dir=tmp_path)
+    one_line_error(excinfo, "train.txt", str(tmp_path))
+
+
+def test_passes_over_data():
+    assert data_module.passes_over_data(1000, 16, 2, 160_000) == 0.2
+    assert data_module.passes_over_data(3, 5, 1, 15) == 1.0
+    with pytest.raises(ValueError, match="train_samples must be >= 1"):
+        data_module.passes_over_data(1, 1, 1, 0)
+
+
+@pytest.mark.skipif(data_module.python_docs_dir() is None,
+                    reason="the Python documentation is not installed (apt-get install python3-doc)")
+def test_corpus_on_the_python_documentation():
+    train, info = load_dataset("corpus", seq_len=64)
+    test, _ = load_dataset("corpus", train=False, seq_len=64)
+    train_docs, test_docs = data_module.corpus_documents(data_module.python_docs_dir())
+    assert len(train) * 64 >= 5_000_000 and len(test) * 64 >= 500_000  # characters in whole windows
+    assert not set(train_docs) & set(test_docs)
+    assert len(test_docs) == len(train_docs + test_docs) // 10
+    assert info.name == "corpus" and info.vocab[-1] == "<unk>" and 90 <= info.num_classes <= 110
+    unk = info.num_classes - 1
+    assert (train.tensors[0] == unk).float().mean() < 1e-3 and (test.tensors[0] == unk).float().mean() < 1e-3
+    again, _ = load_dataset("corpus", seq_len=64)
+    assert torch.equal(again.tensors[0], train.tensors[0]) and torch.equal(again.tensors[1], train.tensors[1])
+
+
 # ------------------------------------------------------------------------------- digits and synthetic
 
 

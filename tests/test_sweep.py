@@ -11,7 +11,8 @@ from typer.testing import CliRunner
 
 from gradzip.cli import app
 from gradzip.harness.report import PLOTS
-from gradzip.harness.sweep import load_sweep, main_runs, parse_sweep, pick_lr, run_sweep, tuning_runs
+from gradzip.harness.sweep import (bracket_lr, load_sweep, main_runs, parse_sweep, pick_lr, run_sweep,
+                                  tuning_runs)
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -154,6 +155,62 @@ def test_pick_lr_prefers_the_best_mean_then_the_earlier_lr():
     assert pick_lr({0.1: [120.0], 0.01: [95.0]}, lower_is_better=True) == 0.01
 
 
+def _parabola(best: float, calls: list):
+    """A cheap objective: accuracy 1 - (log10 lr - log10 best)^2, two seeds; records the lrs asked for."""
+    import math
+
+    def scores_of(lr):
+        calls.append(lr)
+        return [1 - (math.log10(lr) - math.log10(best)) ** 2] * 2
+    return scores_of
+
+
+def test_bracket_lr_widens_until_the_best_is_inside():
+    calls = []
+    lr, scores, at_edge = bracket_lr(_parabola(0.1, calls), [0.001, 0.003, 0.01], widen=5)
+    # 0.01 best -> 0.0333 (x 0.01/0.003) -> 0.111 -> 0.37, where 0.111 is inside: stop.
+    assert calls == [0.001, 0.003, 0.01, 0.0333, 0.111, 0.37]
+    assert (lr, at_edge) == (0.111, False) and list(scores) == calls
+    calls = []
+    lr, _, at_edge = bracket_lr(_parabola(1e-5, calls), [0.001, 0.01], widen=2)
+    assert calls == [0.001, 0.01, 0.0001, 1e-05] and (lr, at_edge) == (1e-05, True)  # out of steps, at the edge
+    calls = []
+    assert bracket_lr(_parabola(0.003, calls), [0.01, 0.001, 0.003], widen=3)[::2] == (0.003, False)
+    assert calls == [0.01, 0.001, 0.003]  # already inside: the grid as given
+    lower = bracket_lr(lambda lr: [abs(lr - 0.5)], [0.1, 0.2], widen=4, lower_is_better=True)
+    assert list(lower[1]) == [0.1, 0.2, 0.4, 0.8] and lower[0] == 0.4
+    failed = []
+    assert bracket_lr(lambda lr: failed.append(lr) or [None, float("nan")], [0.1, 0.2], widen=3)[2] is True
+    assert failed == [0.1, 0.2]  # nothing trained: no direction to widen in
+
+
+def test_sweep_widens_the_lr_grid_on_validation_runs(tmp_path):
+    sweep = parse_sweep({
+        "base": {"model": "mlp", "dataset": "digits", "max_steps": 6, "lr": 0.05},
+        "grid": {"workers": [1], "seeds": [0], "methods": [{"compressor": "none", "label": "dense"}]},
+        "tuning": {"lrs": [0.001, 0.003], "validation": 0.2, "widen": 2, "tuned": True},
+    }, default_name="widened", out_dir=str(tmp_path))
+    assert [r.config.lr for r in tuning_runs(sweep)] == [0.001, 0.003]  # the plan: the grid only
+    counts = run_sweep(sweep, log=lambda s: None)
+    directory = tmp_path / "widened"
+    tuned = json.loads((directory / "tuned_lrs.json").read_text())
+    choice = tuned["methods"]["dense"]["1"]
+    scores = {}
+    for name in choice["scores"]:
+        run = directory / "tuning" / f"dense-w1-lr{name}-s0"
+        assert json.loads((run / "config.json").read_text())["validation"] == 0.2
+        scores[float(name)] = json.loads((run / "summary.json").read_text())["final_test_accuracy"]
+        assert choice["scores"][name] == scores[float(name)]
+    # 6 steps at these small lrs: the larger learns more, so the grid grew upwards by its ratio (3x).
+    assert scores[0.003] > scores[0.001] and list(scores)[:3] == [0.001, 0.003, 0.009]
+    replay = bracket_lr(lambda lr: [scores[lr]], [0.001, 0.003], widen=2)
+    assert list(replay[1]) == list(scores) and (choice["lr"], choice["at_edge"]) == (replay[0], replay[2])
+    assert tuned["lrs"] == sorted(scores) and tuned["widen"] == 2
+    assert counts["ran"] == len(scores) + 1 and counts["failed"] == []  # the tuning runs and the tuned run
+    assert len(json.loads((directory / "sweep.json").read_text())["tuning_runs"]) == len(scores)
+    assert "lr 0.009" in (directory / "results.md").read_text()
+
+
 GOOD = {"base": {"model": "mlp", "dataset": "digits"}, "grid": {"methods": [{"compressor": "none"}]}}
 
 
@@ -176,6 +233,8 @@ GOOD = {"base": {"model": "mlp", "dataset": "digits"}, "grid": {"methods": [{"co
     ({"tuning": {"lrs": [0.1], "tuned": "yes"}}, "tuned in [tuning] must be true, false or \"both\""),
     ({"tuning": {"lrs": [0.1], "validation": 0}}, "validation in [tuning] must be a fraction"),
     ({"tuning": {"lrs": [0.1], "step": 3}}, "unknown key(s) step in [tuning]; allowed: lrs,"),
+    ({"tuning": {"lrs": [0.1, 0.2], "widen": -1}}, "widen in [tuning] must be an integer >= 0, got -1"),
+    ({"tuning": {"lrs": [0.1, 0.1], "widen": 2}}, "it needs at least two distinct lrs"),
 ])
 def test_config_errors_are_one_line_value_errors(change, message):
     with pytest.raises(ValueError) as info:

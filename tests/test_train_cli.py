@@ -63,6 +63,9 @@ def test_train_writes_every_metric_summary_and_tensorboard(tmp_path):
     assert summary["final_test_accuracy"] == epochs[-1]["test_accuracy"] > 0.5
     assert summary["epochs_to_target"] in (1, 2) and summary["time_to_target_s"] > 0
     assert summary["total_bytes_sent"] == sum(r["bytes_sent"] for r in steps)
+    # Passes over the 1437 training samples: 44 steps per epoch of 16 per worker, 2 workers.
+    assert [e["passes"] for e in epochs] == [44 * 32 / 1437, 88 * 32 / 1437]
+    assert (summary["train_samples"], summary["passes"]) == (1437, 88 * 32 / 1437)
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
 
 

@@ -20,7 +20,11 @@ from torch.utils.data import Dataset, TensorDataset
 
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")  # Debian package dataset-fashion-mnist
 COMMON_LICENSES_DIR = Path("/usr/share/common-licenses")  # Debian package base-files
-DATASETS = ("fashion-mnist", "mnist", "digits", "cifar10", "text", "chars", "synthetic")
+# Debian package python3-doc (python3.X-doc): the reStructuredText sources of the Python documentation that
+# Sphinx copies beside the HTML, about 11 MB of English in 500 documents (3.11 on Debian 12).
+PYTHON_DOCS_GLOB = "/usr/share/doc/python3.*/html/_sources"
+CORPUS_TEST_EVERY = 10  # the corpus holds out every 10th document (sorted by path) as its test split
+DATASETS = ("fashion-mnist", "mnist", "digits", "cifar10", "text", "chars", "corpus", "synthetic")
 TASKS = ("classification", "language_model")
 
 PathLike = Union[str, os.PathLike]
@@ -35,7 +39,7 @@ class DatasetInfo:
     """What a model needs to know about a dataset.
 
     ``input_shape`` is one sample's shape (``(seq_len,)`` for text); ``num_classes`` is the number of
-    labels, or the vocabulary size for a language model; ``vocab`` (text and chars) maps ids to tokens.
+    labels, or the vocabulary size for a language model; ``vocab`` (text, chars, corpus) maps ids to tokens.
     """
 
     name: str
@@ -265,6 +269,93 @@ def _chars(data_dir: Optional[Path], train: bool, seq_len: int):
     return x, y, DatasetInfo("chars", (seq_len,), len(vocab), "language_model", vocab)
 
 
+def python_docs_dir() -> Optional[Path]:
+    """The newest Python version's documentation sources under /usr/share/doc (None: python3-doc missing)."""
+    found = [p for p in Path("/").glob(PYTHON_DOCS_GLOB.lstrip("/")) if p.is_dir()]
+
+    def version(path: Path) -> tuple:
+        minor = path.parent.parent.name.partition(".")[2]
+        return (int(minor) if minor.isdigit() else -1, path.name)
+
+    return max(found, key=version, default=None)
+
+
+def corpus_documents(directory: Path) -> tuple[list[Path], list[Path]]:
+    """(train documents, test documents) of a folder of documentation sources: every regular ``*.txt`` file
+    below it (links skipped, as in ``chars``), sorted by relative path; every ``CORPUS_TEST_EVERY``-th one
+    (the 10th, 20th, ...) is held out for test, so no test character comes from a document trained on."""
+    files = sorted((p for p in directory.rglob("*.txt") if p.is_file() and not p.is_symlink()),
+                   key=lambda p: p.relative_to(directory).as_posix())
+    test = set(files[CORPUS_TEST_EVERY - 1::CORPUS_TEST_EVERY])
+    return [p for p in files if p not in test], [p for p in files if p in test]
+
+
+def _codepoints(text: str) -> np.ndarray:
+    return np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+
+
+def _corpus_vocab(train_codes: np.ndarray) -> np.ndarray:
+    """The characters (sorted code points) that occur at least once per 100,000 characters of the train text."""
+    counts = np.bincount(train_codes)
+    return np.flatnonzero(counts >= max(1, len(train_codes) // 100_000)).astype(np.uint32)
+
+
+def _encode(codes: np.ndarray, vocab: np.ndarray) -> torch.Tensor:
+    """Ids of the code points: their index in ``vocab``, or ``len(vocab)`` (the "<unk>" id) outside it."""
+    table = np.full(max(int(codes.max(initial=0)), int(vocab.max(initial=0))) + 1, len(vocab), dtype=np.int64)
+    table[vocab] = np.arange(len(vocab))
+    return torch.from_numpy(table[codes])
+
+
+def _corpus_texts(data_dir: Optional[Path]) -> tuple[str, str, object]:
+    """(train text, test text, where the test text came from) of the corpus dataset."""
+    if data_dir is not None:
+        fix = "pass --data-dir pointing at a folder with train.txt and test.txt (any UTF-8 text)"
+        train_path, test_path = _corpus_files(data_dir, False, "corpus", fix)
+        return train_path.read_text(encoding="utf-8"), test_path.read_text(encoding="utf-8"), test_path
+    directory = python_docs_dir()
+    train_files, test_files = corpus_documents(directory) if directory else ([], [])
+    if not test_files:
+        raise DataNotFoundError(
+            f"no Python documentation sources in {PYTHON_DOCS_GLOB} (the corpus dataset's default): install "
+            f"them with `apt-get install python3-doc` or pass --data-dir DIR with train.txt and test.txt")
+    read = lambda files: "".join(p.read_text(encoding="utf-8") for p in files)  # noqa: E731
+    return read(train_files), read(test_files), directory
+
+
+def _corpus(data_dir: Optional[Path], train: bool, seq_len: int):
+    """Character-level English big enough not to repeat: the Python documentation's sources (python3-doc),
+    or train.txt and test.txt (or valid.txt) of ``data_dir``.
+
+    The default's test split is whole held-out documents (:func:`corpus_documents`).  The vocabulary is the
+    characters that occur at least once per 100,000 characters of the train text, sorted, plus "<unk>" (the
+    last id), which every other character of either split becomes.  Windows are as in ``text``, the same
+    bytes giving the same windows; the test split's windows come in a fixed shuffled order
+    (``RandomState(0)``), so that its first N windows (``test_size``) sample every test document.
+    """
+    train_text, test_text, source = _corpus_texts(data_dir)
+    vocab_codes = _corpus_vocab(_codepoints(train_text))
+    vocab = (*(chr(c) for c in vocab_codes), "<unk>")
+    encoded = _encode(_codepoints(train_text if train else test_text), vocab_codes)
+    n = (len(encoded) - 1) // seq_len
+    if n < 1:
+        raise ValueError(f"{source} has {len(encoded)} characters, too few for one window of seq_len={seq_len} (+1)")
+    x, y = encoded[: n * seq_len].view(n, seq_len), encoded[1: n * seq_len + 1].view(n, seq_len)
+    if not train:
+        order = torch.from_numpy(np.random.RandomState(0).permutation(n))
+        x, y = x[order], y[order]
+    return x, y, DatasetInfo("corpus", (seq_len,), len(vocab), "language_model", vocab)
+
+
+def passes_over_data(steps: int, batch_size: int, workers: int, train_samples: int) -> float:
+    """How many times a run went through its training data: samples drawn (``steps`` × ``batch_size`` per
+    worker × ``workers``) over the training set's size.  For text, where a sample is a window of seq_len
+    characters, that is steps × batch × workers × seq_len / the training characters."""
+    if train_samples < 1:
+        raise ValueError(f"train_samples must be >= 1, got {train_samples!r}")
+    return steps * batch_size * workers / train_samples
+
+
 def _synthetic(train: bool, shape: tuple, classes: int, size: int, seed: int):
     """Gaussian inputs labelled by a fixed random linear teacher: y = argmax(W^T x).
 
@@ -300,9 +391,10 @@ def load_dataset(name: str, *, data_dir: Optional[PathLike] = None, train: bool 
     """Load the train (or test) split of dataset ``name`` as ``(TensorDataset(x, y), DatasetInfo)``.
 
     Images are float32 (N, C, H, W), normalised with the dataset's usual mean and std; labels int64.
-    Text and chars give int64 windows x, y of shape (N, seq_len).  ``data_dir`` is where the files are
-    (Fashion-MNIST defaults to /usr/share/datasets/fashion-mnist, chars to /usr/share/common-licenses;
-    mnist, cifar10 and text need it); ``seq_len`` applies to text and chars; the ``synthetic_*`` options
+    Text, chars and corpus give int64 windows x, y of shape (N, seq_len).  ``data_dir`` is where the files are
+    (Fashion-MNIST defaults to /usr/share/datasets/fashion-mnist, chars to /usr/share/common-licenses,
+    corpus to the Python documentation of python3-doc; mnist, cifar10 and text need it); ``seq_len``
+    applies to text, chars and corpus; the ``synthetic_*`` options
     and ``seed`` to synthetic.
     """
     if name not in DATASETS:
@@ -323,6 +415,8 @@ def load_dataset(name: str, *, data_dir: Optional[PathLike] = None, train: bool 
         x, y, info = _text(directory, train, seq_len)
     elif name == "chars":
         x, y, info = _chars(directory, train, seq_len)
+    elif name == "corpus":
+        x, y, info = _corpus(directory, train, seq_len)
     else:
         shape = tuple(synthetic_shape) if isinstance(synthetic_shape, (tuple, list, torch.Size)) else ()
         if not shape or any(isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 1 for d in shape):
@@ -334,4 +428,5 @@ def load_dataset(name: str, *, data_dir: Optional[PathLike] = None, train: bool 
     return TensorDataset(x, y), info
 
 
-__all__ = ["DATASETS", "DataNotFoundError", "DatasetInfo", "load_dataset", "read_idx"]
+__all__ = ["DATASETS", "DataNotFoundError", "DatasetInfo", "load_dataset", "read_idx", "passes_over_data",
+           "python_docs_dir", "corpus_documents"]

@@ -98,6 +98,7 @@ def aggregate(runs: list) -> list:
             "time_to_target_s": [s.get("time_to_target_s") for s in summaries],
             "epochs_to_target": [s.get("epochs_to_target") for s in summaries],
             "wall_s": [s["wall_s"] for s in summaries],
+            "passes": [s.get("passes") for s in summaries],  # absent from runs made before it was recorded
             "step_ms": [_ms(s, "step") for s in summaries],
             **{f"{k}_ms": [_ms(s, k) for s in summaries] for k in _TIMES},
             "mib_sent_per_worker": [s["total_bytes_sent"] / 2 ** 20 for s in summaries],
@@ -123,7 +124,7 @@ def _row_name(row: dict) -> str:
 
 _CSV_STATS = ("score", "test_loss", "train_loss", "time_to_target_s", "epochs_to_target", "step_ms",
               "compute_ms", "compress_ms", "communicate_ms", "decompress_ms", "mib_sent_per_worker", "ratio",
-              "density", "wall_s")
+              "density", "wall_s", "passes")
 
 
 def write_csv(rows: list, path: Path) -> None:
@@ -166,10 +167,12 @@ def write_markdown(rows: list, path: Path, *, title: str, description: str, fini
               f"time and epochs to reach the target ({'none set' if target is None else target}; "
               f"reached/seeds when not all did), mean step time and its split in ms (compress, communicate and "
               f"decompress run on gradzip's thread and overlap backward; compute is the rest), MiB sent per "
-              f"worker, mean compression ratio (dense bytes / bytes sent) and density (fraction of elements sent).",
+              f"worker, mean compression ratio (dense bytes / bytes sent) and density (fraction of elements sent); "
+              f"passes: how many times a run went through its training data (all workers' samples over the "
+              f"training set's size).",
               ""]
     header = (["method", "params", "workers"] + (["tuned"] if has_tuned else [])
-              + ["lr", "seeds", score, "test loss", "train loss", "time to target (s)", "epochs to target",
+              + ["lr", "seeds", "passes", score, "test loss", "train loss", "time to target (s)", "epochs to target",
                  "step ms", "compute", "compress", "communicate", "decompress", "MiB sent/worker", "ratio",
                  "density"])
     lines += ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
@@ -177,7 +180,7 @@ def write_markdown(rows: list, path: Path, *, title: str, description: str, fini
         reached = "" if r["reached"] in (0, r["seeds"]) else f" ({r['reached']}/{r['seeds']})"
         cells = ([r["label"], _params_text(r), str(r["workers"])]
                  + (["yes" if r["tuned"] else "no"] if has_tuned else [])
-                 + [f"{r['lr']:g}", str(r["seeds"]),
+                 + [f"{r['lr']:g}", str(r["seeds"]), _pm(r["passes"], None, 2),
                     _pm(r["score"], r["score_std"], 2 if lm else 4), _pm(r["test_loss"], r["test_loss_std"], 4),
                     _pm(r["train_loss"], r["train_loss_std"], 4),
                     _pm(r["time_to_target_s"], r["time_to_target_s_std"], 1) + reached,
@@ -189,14 +192,19 @@ def write_markdown(rows: list, path: Path, *, title: str, description: str, fini
     if tuned_lrs:
         lines += ["", "## Tuned learning rates", "",
                   f"Chosen by the best mean {tuned_lrs['score'].replace('_', ' ')} over tuning seeds "
-                  f"{tuned_lrs['seeds']} on a held-out {tuned_lrs['validation']:g} of the training set.", "",
+                  f"{tuned_lrs['seeds']} on a held-out {tuned_lrs['validation']:g} of the training set"
+                  + (f"; the grid widened beyond its edges at most {tuned_lrs['widen']} times per setting while the "
+                     f"best lr was at an edge (—: not tried for that setting)" if tuned_lrs.get("widen") else "")
+                  + ".", "",
                   "| method | workers | tuned at | lr | " + " | ".join(f"lr {lr:g}" for lr in tuned_lrs["lrs"]) + " |",
                   "|---|---|---|---|" + "---|" * len(tuned_lrs["lrs"])]
         for label, per_workers in tuned_lrs["methods"].items():
             for workers, choice in per_workers.items():
-                scores = [choice["scores"].get(f"{lr:g}") for lr in tuned_lrs["lrs"]]
-                lines.append(f"| {label} | {workers} | {choice['tuned_at_workers']} | {choice['lr']:g} | "
-                             + " | ".join("failed" if s is None else f"{s:.4f}" for s in scores) + " |")
+                scores = [choice["scores"].get(f"{lr:g}", "—") for lr in tuned_lrs["lrs"]]  # —: not tried
+                edge = " (at the edge)" if choice.get("at_edge") else ""
+                lines.append(f"| {label} | {workers} | {choice['tuned_at_workers']} | {choice['lr']:g}{edge} | "
+                             + " | ".join("failed" if s is None else s if s == "—" else f"{s:.4f}" for s in scores)
+                             + " |")
     lines += ["", "## Plots", ""] + [f"![{p[:-4].replace('_', ' ')}]({p})" for p in PLOTS]
     path.write_text("\n".join(lines) + "\n")
 

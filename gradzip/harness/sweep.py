@@ -31,9 +31,13 @@
     workers = 2                    # default: tune at every grid worker count ("tuned per setting")
     max_steps = 100                # default: [base]'s (also: epochs)
     tuned = "both"                 # true (default): tuned runs only; "both": tuned and untuned
+    widen = 3                      # optional: while the best lr is at an edge of those tried, try one more
+                                   # beyond it (edge x the grid's ratio there), at most 3 times per setting
 
 Each run is named ``<label>-w<workers>-s<seed>`` (``<label>-tuned-w<workers>-s<seed>`` with the tuned lr) in
-``<out_dir>/<name>/runs/``; tuning runs go to ``tuning/``.  Runs execute one after another with
+``<out_dir>/<name>/runs/``; tuning runs go to ``tuning/``.  With ``widen`` the grid of a setting (method and
+tuning worker count) grows until its best lr is not at an edge (:func:`bracket_lr`), so a plan lists only the
+grid's runs: widening adds up to ``widen`` x tuning seeds runs per setting.  Runs execute one after another with
 ``trainer.launch``.  A run whose ``summary.json`` exists is skipped and an unfinished one resumes from its
 last checkpoint, so rerunning a killed sweep continues where it stopped.  ``sweep.json`` lists the planned
 runs for :mod:`gradzip.harness.report`; ``tuned_lrs.json`` records the chosen learning rates.
@@ -58,7 +62,7 @@ except ModuleNotFoundError:  # Python 3.10
 from .trainer import TrainConfig, launch, run_dir
 
 __all__ = ["Method", "Tuning", "Sweep", "Run", "load_sweep", "parse_sweep", "tuning_runs", "main_runs",
-           "pick_lr", "run_sweep"]
+           "pick_lr", "bracket_lr", "run_sweep"]
 
 # The sweep itself sets these for every run; everything else in TrainConfig may go in [base].
 _SET_BY_SWEEP = ("compressor", "params", "workers", "seed", "name", "out_dir", "resume")
@@ -66,7 +70,7 @@ BASE_KEYS = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.name not 
 TOP_KEYS = ("name", "description", "out_dir", "keep_checkpoints", "base", "grid", "tuning")
 GRID_KEYS = ("workers", "seeds", "methods")
 METHOD_KEYS = ("compressor", "params", "label", "sweep_param", "values") + BASE_KEYS
-TUNING_KEYS = ("lrs", "validation", "seeds", "workers", "epochs", "max_steps", "tuned")
+TUNING_KEYS = ("lrs", "validation", "seeds", "workers", "epochs", "max_steps", "tuned", "widen")
 # Labels become directory names.
 _LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
 # Compared with a finished run's config.json to tell whether it is the run planned now.
@@ -95,6 +99,7 @@ class Tuning:
     epochs: Optional[int] = None
     max_steps: Optional[int] = None
     tuned: Any = True  # True, False or "both"
+    widen: int = 0  # at most this many lrs beyond the grid's edges per setting, while the best is at an edge
 
     @property
     def variants(self) -> tuple:
@@ -230,11 +235,17 @@ def _tuning(table) -> Tuning:
     tuned = table.get("tuned", True)
     if not (isinstance(tuned, bool) or tuned == "both"):
         raise ValueError(f"tuned in [tuning] must be true, false or \"both\", got {tuned!r}")
+    widen = table.get("widen", 0)
+    if isinstance(widen, bool) or not isinstance(widen, int) or widen < 0:
+        raise ValueError(f"widen in [tuning] must be an integer >= 0, got {widen!r}")
+    if widen and len(set(lrs)) < 2:
+        raise ValueError(f"widen in [tuning] steps beyond the grid by its ratio at the edge: it needs at least two "
+                         f"distinct lrs, got {lrs!r}")
     return Tuning(lrs=tuple(float(v) for v in lrs), validation=float(validation),
                   seeds=_int_list(table.get("seeds", [0]), "[tuning] seeds", low=0),
                   workers=_optional_int(table, "workers", "[tuning]"),
                   epochs=_optional_int(table, "epochs", "[tuning]"),
-                  max_steps=_optional_int(table, "max_steps", "[tuning]"), tuned=tuned)
+                  max_steps=_optional_int(table, "max_steps", "[tuning]"), tuned=tuned, widen=widen)
 
 
 def _methods(entries) -> list:
@@ -318,8 +329,13 @@ def tuning_runs(sweep: Sweep) -> list:
     if sweep.tuning is None:
         return []
     t = sweep.tuning
-    return [Run(_config(sweep, m, w, s, f"{m.label}-w{w}-lr{_fmt(lr)}-s{s}", "tuning", lr=lr, tuning=True), m)
-            for m in sweep.methods for w in _tuning_workers(sweep) for lr in t.lrs for s in t.seeds]
+    return [run for m in sweep.methods for w in _tuning_workers(sweep) for lr in t.lrs for run in _tuning_at(sweep, m, w, lr)]
+
+
+def _tuning_at(sweep: Sweep, method: Method, workers: int, lr: float) -> list:
+    """The tuning runs of one setting at one lr, one per tuning seed."""
+    return [Run(_config(sweep, method, workers, s, f"{method.label}-w{workers}-lr{_fmt(lr)}-s{s}", "tuning", lr=lr,
+                        tuning=True), method) for s in sweep.tuning.seeds]
 
 
 def main_runs(sweep: Sweep, lrs: Optional[dict] = None) -> list:
@@ -358,6 +374,33 @@ def pick_lr(scores: dict, lower_is_better: bool = False) -> float:
     if not scores:
         raise ValueError("pick_lr needs at least one lr with scores")
     return max(scores, key=lambda lr: mean(scores[lr]))  # max returns the first of equal keys
+
+
+def bracket_lr(scores_of: Callable[[float], list], lrs, widen: int, lower_is_better: bool = False) -> tuple:
+    """Score ``lrs`` and, while the best (:func:`pick_lr`) is the smallest or the largest lr tried, try one
+    more beyond that edge, at most ``widen`` times: the edge times the ratio between it and its neighbour
+    (0.01 after 0.03, 0.1 on a grid 0.01, 0.03 with 0.03 best; three significant digits).
+
+    ``scores_of(lr)`` returns that lr's scores (one per seed; None or NaN: failed).  Returns ``(best lr,
+    {lr: scores} in the order tried, whether the best is still at an edge)``: True after ``widen`` steps
+    means the grid should grow further before the choice is trusted.
+    """
+    scores = {float(lr): scores_of(float(lr)) for lr in dict.fromkeys(lrs)}
+    for _ in range(widen):
+        if all(v is None or not math.isfinite(v) for values in scores.values() for v in values):
+            break  # nothing trained: no edge to move
+        ordered = sorted(scores)
+        best = pick_lr(scores, lower_is_better)
+        if best == ordered[0]:
+            step = ordered[0] * ordered[0] / ordered[1]
+        elif best == ordered[-1]:
+            step = ordered[-1] * ordered[-1] / ordered[-2]
+        else:
+            break
+        lr = float(f"{step:.3g}")
+        scores[lr] = scores_of(lr)
+    best = pick_lr(scores, lower_is_better)
+    return best, scores, len(scores) > 1 and best in (min(scores), max(scores))
 
 
 # -- running ------------------------------------------------------------------------------------------------
@@ -408,29 +451,34 @@ def _write_json(path: Path, data) -> None:
     os.replace(tmp, path)
 
 
-def _choose(sweep: Sweep, tuning: list, summaries: dict) -> tuple:
-    """Tuned lr per (label, grid workers) and the record written to tuned_lrs.json."""
+def _choose(sweep: Sweep, summaries: dict, execute: Callable[[list], dict]) -> tuple:
+    """Tuned lr per (label, grid workers), the record written to tuned_lrs.json, and the tuning runs behind
+    them.  ``summaries`` holds the grid's tuning runs; with ``widen``, ``execute`` runs the lrs beyond it."""
     lower = any(s.get("score") == "test_perplexity" for s in summaries.values() if s)
-    chosen, record = {}, {}
+    chosen, record, made = {}, {}, {}
     for m in sweep.methods:
         for w in _tuning_workers(sweep):
-            scores = {}
-            for run in tuning:
-                if run.method.label == m.label and run.config.workers == w:
-                    s = summaries.get(run.name)
-                    scores.setdefault(run.config.lr, []).append(s["final_score"] if s else None)
+            def scores_of(lr, m=m, w=w):
+                runs = _tuning_at(sweep, m, w, lr)
+                new = [r for r in runs if r.name not in summaries]
+                if new:
+                    summaries.update(execute(new))
+                made.update((r.name, r) for r in runs)
+                return [summaries[r.name]["final_score"] if summaries.get(r.name) else None for r in runs]
+
+            lr, scores, at_edge = bracket_lr(scores_of, sweep.tuning.lrs, sweep.tuning.widen, lower)
             if all(v is None for values in scores.values() for v in values):
                 continue  # every tuning run failed: no tuned runs for this setting
-            lr = pick_lr(scores, lower)
             targets = sweep.workers if sweep.tuning.workers is not None else (w,)
             for target in targets:
                 chosen[(m.label, target)] = lr
                 record.setdefault(m.label, {})[str(target)] = {
-                    "lr": lr, "tuned_at_workers": w,
+                    "lr": lr, "tuned_at_workers": w, "at_edge": at_edge,
                     "scores": {_fmt(k): (sum(v) / len(v) if None not in v else None) for k, v in scores.items()}}
+    tried = sorted({r.config.lr for r in made.values()})
     return chosen, {"score": "validation_" + ("perplexity" if lower else "accuracy"),
-                    "validation": sweep.tuning.validation, "lrs": list(sweep.tuning.lrs),
-                    "seeds": list(sweep.tuning.seeds), "methods": record}
+                    "validation": sweep.tuning.validation, "lrs": tried, "widen": sweep.tuning.widen,
+                    "seeds": list(sweep.tuning.seeds), "methods": record}, list(made.values())
 
 
 def _manifest(sweep: Sweep, tuning: list, runs: list, lrs: Optional[dict]) -> dict:
@@ -468,7 +516,7 @@ def run_sweep(sweep: Sweep, *, log: Callable[[str], None] = print, report: bool 
 
     lrs = None
     if tuning:
-        chosen, record = _choose(sweep, tuning, execute(tuning, "tune"))
+        chosen, record, tuning = _choose(sweep, execute(tuning, "tune"), lambda runs: execute(runs, "tune"))
         _write_json(directory / "tuned_lrs.json", record)
         log("tuned lrs: " + (", ".join(f"{label} w{w} {lr:g}" for (label, w), lr in chosen.items()) or "none"))
         counts["tuned_lrs"] = record["methods"]

@@ -36,7 +36,7 @@ from gradzip.integrations.diloco import OPTIONS as OUTER_OPTIONS, check_options
 from gradzip.launcher import free_port, wait_for_workers
 from gradzip.state import check_group_vectors_below
 
-from .data import load_dataset
+from .data import load_dataset, passes_over_data
 from .models import build_model
 
 __all__ = ["TrainConfig", "launch", "run_dir", "parse_outer", "BASELINES", "OUTER_OPTIONS"]
@@ -488,6 +488,11 @@ class _Run:
     lr: Optional[float] = None  # the last step's
     epoch_record: Optional[dict] = None
     step_times: dict = field(default_factory=dict)  # this process's sums (rank 0), for the summary's means
+    train_samples: int = 0  # the training set's size, for the passes over it
+
+    def passes(self) -> float:
+        """Passes over the training data so far (all workers' samples)."""
+        return passes_over_data(self.global_step, self.config.batch_size, self.world, self.train_samples)
 
     def wall(self) -> float:
         return self.elapsed + time.perf_counter() - self.t_start
@@ -516,7 +521,7 @@ def _setup(rank, world, config: TrainConfig, device, torchrun: bool, ticks) -> _
         raise ValueError(f"no full batch of {config.batch_size} per worker: the training set has "
                          f"{len(train_set)} samples for {world} workers")
     run = _Run(config, rank, world, device, directory, model, net, optimizer, opt, state, outer, eval_set,
-               info.task == "language_model", sampler, loader, steps_per_epoch, ticks)
+               info.task == "language_model", sampler, loader, steps_per_epoch, ticks, train_samples=len(train_set))
     lines = _resume(run, torchrun)
     run.writer = _Writer(directory, lines) if rank == 0 else None
     if rank == 0:
@@ -639,7 +644,7 @@ def _end_epoch(run: _Run, epoch, sums, before_epoch, epoch_t, train_s) -> None:
         "kind": "epoch", "epoch": epoch, "step": run.global_step,
         "train_loss": sums[0].item() / sums[2].item(), "train_accuracy": sums[1].item() / sums[2].item(),
         "test_loss": eval_loss, "test_accuracy": eval_acc, "epoch_s": time.perf_counter() - epoch_t,
-        "train_s": train_s,
+        "train_s": train_s, "passes": run.passes(),
         "wall_s": wall, "lr": run.lr, "density": _ratio(after, before_epoch, "elements_sent", "elements"),
         **_byte_fields(before_epoch, after),
     }
@@ -663,6 +668,7 @@ def _finish(run: _Run) -> Optional[dict]:
                            run.global_step)
         steps_here = run.global_step - (run.start_epoch * run.steps_per_epoch + run.start_batch)
         summary.update({f"mean_{k}": v / steps_here for k, v in run.step_times.items()} if steps_here else {})
+        summary.update(train_samples=run.train_samples, passes=run.passes())
         if outer is not None:
             summary.update(_outer_fields(outer), evaluated="theta_g: DiLoCo's global parameters, equal on every "
                                                           "rank (a replica equals them only right after a sync)")
