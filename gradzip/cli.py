@@ -28,10 +28,25 @@ def parse_params(items: List[str]) -> dict:
 
 @app.command()
 def methods():
-    """List the compression methods and their parameters."""
-    for name in gradzip.compressors():
+    """List the compression methods: what each does, and its parameters with their defaults."""
+    typer.echo(format_methods())
+
+
+def format_methods(width: int = 100) -> str:
+    """Each method's name and one-line description, aligned, with its parameters wrapped beneath."""
+    import textwrap
+
+    from .compressors import summary
+
+    names = gradzip.compressors()
+    indent = " " * (max(map(len, names)) + 2)
+    lines = []
+    for name in names:
+        lines.append(f"{name:{len(indent)}s}{summary(name)}")
         params = ", ".join(f"{k}={v!r}" for k, v in gradzip.parameters_of(name).items())
-        typer.echo(f"{name:10s} {params}")
+        lines += textwrap.wrap(params, width, initial_indent=indent, subsequent_indent=indent + "  ",
+                               break_on_hyphens=False)
+    return "\n".join(lines)
 
 
 # TrainConfig fields `gradzip train` does not expose: every other field is an option of the same name and

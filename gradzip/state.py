@@ -718,16 +718,85 @@ class GradzipState:
             return [dict(r) for r in self._buckets.values()]
 
     def stats(self) -> dict:
-        """Cumulative counters of this worker: bytes it handed to collectives (``bytes_sent``), the dense
-        fp32/fp16 equivalent, the achieved ratio, collectives issued and the time split."""
+        """Cumulative counters of this worker, over every exchange so far (NaN before the first):
+
+        - ``bytes_sent`` (= ``wire_bytes``): every byte this worker handed to collectives (payloads, size
+          headers, padding, the non-finite flag); ``payload_bytes``: the compressed payloads alone;
+          ``dense_bytes``: what sending the gradients in their own dtype would take.
+        - ``ratio``: ``dense_bytes / bytes_sent``.
+        - ``bits_per_element``: ``8 * bytes_sent / elements``, wire bits per gradient element (32 for
+          dense fp32, 16 for fp16, about 0.64 for Top-k 1% with fp32 values and int32 indices).
+        - ``density``: ``elements_sent / elements``, the fraction of gradient elements whose values a
+          sparsifier sent (Top-k 1%: 0.01).  Every method that does not select elements counts each
+          element as sent, in whatever form it codes it: 1.0 for quantisers, sign methods, PowerSGD's
+          low-rank factors and dense steps alike.  For the cost on the wire read ``bits_per_element``.
+        - ``exchanges``, ``collectives``, ``plain_allreduces`` (exchanges the integration did as one
+          plain allreduce), ``nonfinite_exchanges``; ``compress_s``, ``communicate_s``,
+          ``decompress_s`` (the split on gradzip's thread); ``compressor``, ``world_size``.
+        """
         self._route.resolve(self.steps, self.totals)
         t = dict(self.totals)
         t["bytes_sent"] = t["wire_bytes"]
         t["ratio"] = t["dense_bytes"] / t["wire_bytes"] if t["wire_bytes"] else float("nan")
         t["density"] = t["elements_sent"] / t["elements"] if t["elements"] else float("nan")
+        t["bits_per_element"] = 8 * t["wire_bytes"] / t["elements"] if t["elements"] else float("nan")
         t["compressor"] = self.compressor.name
         t["world_size"] = self.world_size
         return t
+
+    def describe(self, as_text: bool = False):
+        """What this state runs and, so far, what it did: a dict, or (``as_text=True``) the same as lines
+        to read, the first a one-line summary (what the integrations log at construction).
+
+        ``method``, ``params`` (the method's constructor parameters), ``feedback`` (the error-feedback
+        scheme), ``world_size`` (None until the state has connected), ``group_vectors_below``, ``route``
+        (``per-tensor``, ``bucket``, or with the default ``bucketed=None`` and a method that has a bucket
+        route ``bucket on CUDA, per-tensor on CPU``), and ``buckets``: each
+        bucket this rank has exchanged, as in :meth:`bucket_stats`, with the ``route`` it took
+        (``plain allreduce``, ``bucket``, ``per-tensor``).  With ``auto`` each bucket also has its
+        tensors' ``choices``, and ``auto`` maps each tensor to
+        :meth:`gradzip.compressors.auto.Auto.decision`: its choice (or its stage until then), why, and
+        the times auto measured.  Reads only what is recorded: no collective, callable on any rank.
+        """
+        from .compressors.auto import Auto
+
+        c = self.compressor
+        auto = c if isinstance(c, Auto) else None
+        decided = {}
+        if auto is not None:
+            keys = list(self.steps) + [k for k in self.tensors if k not in self.steps]
+            decided = {k: auto.decision(self.tensors.get(k, {}), self.steps.get(k, 0)) for k in keys}
+        buckets = []
+        for keys, record in self._bucket_records():
+            entry = dict(record, route=self._route_of(keys, record))
+            if auto is not None:
+                entry["choices"] = {k: decided[k]["choice"] for k in dict.fromkeys(self._key_of.get(n, n) for n in keys)
+                                    if k in decided}
+            buckets.append(entry)
+        params = {k: v for k, v in c.params().items() if k != "feedback"}
+        info = {"method": c.name, "params": params, "feedback": _feedback.scheme_of(c).name,
+                "world_size": None if self._transport is None else self._transport.world_size,
+                "group_vectors_below": self.group_vectors_below, "route": self._planned_route(), "buckets": buckets}
+        if auto is not None:
+            info["auto"] = decided
+        return _described(info) if as_text else info
+
+    def _bucket_records(self) -> list:
+        with self._buckets_lock:
+            return [(keys, dict(record)) for keys, record in self._buckets.items()]
+
+    def _planned_route(self) -> str:
+        """The route this state's exchanges take (:meth:`_takes_bucket_route`), before seeing gradients."""
+        world = 1 if self._transport is None else self._transport.world_size
+        if (self.bucketed is False or self.group_vectors_below > 0 or not self.compressor.bucketed
+                or not _feedback.takes_bucket(self.compressor) or not self.compressor.takes_bucket(world)):
+            return "per-tensor"
+        return "bucket" if self.bucketed else "bucket on CUDA, per-tensor on CPU"
+
+    def _route_of(self, keys: tuple, record: dict) -> str:
+        if record["exchanges"] and record["plain"] == record["exchanges"]:
+            return "plain allreduce"
+        return "bucket" if keys in self._route.buckets else "per-tensor"
 
     def state_dict(self, *, all_ranks: bool = False) -> dict:
         """Everything needed to continue bit for bit: per-tensor state, step counters, epoch, counters.
@@ -859,6 +928,27 @@ def reshard(parts: Sequence[dict], rank: int, world_size: int) -> dict:
                                  f"{key!r} differs between ranks and is not a float tensor to average")
     totals = parts[rank]["totals"] if rank < len(parts) else dict.fromkeys(first["totals"], 0)
     return {**first, "rank": rank, "tensors": tensors, "totals": dict(totals)}
+
+
+def _described(info: dict) -> str:
+    """:meth:`GradzipState.describe`'s dict as lines: a summary, then one line per bucket."""
+    params = ", ".join(f"{k}={v!r}" for k, v in info["params"].items())
+    world = "world size not known yet" if info["world_size"] is None else f"world size {info['world_size']}"
+    grouped = f"; vectors under {info['group_vectors_below']} elements grouped" if info["group_vectors_below"] else ""
+    lines = [f"{info['method']}({params}); feedback {info['feedback']}; {world}; route: {info['route']}{grouped}"]
+    decided = info.get("auto", {})
+    for b in info["buckets"]:
+        line = (f"  bucket {b['bucket']}: {b['tensors']} tensors, {b['elements']} elements, {b['exchanges']} "
+                f"exchanges, {b['route']}")
+        if "choices" in b:
+            specs = sorted({spec or "undecided" for spec in b["choices"].values()}) or ["undecided"]
+            key = next(iter(b["choices"]), None)
+            why = decided[key]["reason"] if key is not None else "not exchanged by auto yet"
+            line += f"; auto: {' / '.join(specs)} ({why})"
+        lines.append(line)
+    if decided and not info["buckets"]:
+        lines += [f"  {key}: {d['choice'] or 'undecided'} ({d['reason']})" for key, d in decided.items()]
+    return "\n".join(lines)
 
 
 def _registered(group: dist.ProcessGroup) -> bool:

@@ -5,11 +5,12 @@ Adding a method takes one class in the module of its family and one ``@register`
 test matrix iterates over this registry, so the new method is tested without further wiring.
 """
 from .base import Compressor
-from .registry import compressor_class, compressors, make, parameters_of, parse_spec, parse_value, register
+from .registry import compressor_class, compressors, make, parameters_of, parse_spec, parse_value, register, summary
 
 # Importing the family modules registers their classes (order = listing order).
 from . import dense, sparse, quantize, sign, lowrank, auto  # noqa: F401
 from . import sparseloco  # noqa: F401
 from . import sketch  # noqa: F401
 
-__all__ = ["Compressor", "register", "compressors", "compressor_class", "parameters_of", "make", "parse_value", "parse_spec"]
+__all__ = ["Compressor", "register", "compressors", "compressor_class", "parameters_of", "make", "parse_value", "parse_spec",
+           "summary"]

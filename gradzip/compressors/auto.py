@@ -8,6 +8,7 @@ and agrees with the other ranks.
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
 from typing import Optional, Sequence, Union
@@ -23,6 +24,8 @@ __all__ = ["Auto", "AutoState", "ScheduleConfig", "Turn", "schedule", "position"
 
 DEFAULT_CANDIDATES = ("none", "fp16", "powersgd:rank=2,dense_steps=0", "topk:ratio=0.01")
 
+_log = logging.getLogger(__name__)  # a child of "gradzip": silent unless that logger is set to INFO
+
 
 # Verification times 3 whole steps of each arm: plan steps 1 to 3, and dense steps 2 to 4 (the first
 # dense step flushes the residual through auto's own path, the others take the plain allreduce).
@@ -32,14 +35,20 @@ _PLAN_TIMED, _DENSE_TIMED = slice(0, 3), slice(PLAN_STEPS + 1, PLAN_STEPS + 4)
 _CLEAR_WIN = 0.5
 
 
+def _ms(seconds: float) -> str:
+    return f"{1e3 * seconds:.1f} ms" if math.isfinite(seconds) else "unmeasured"
+
+
 # -- timing on this rank ---------------------------------------------------------------------------------
 class BucketExchange:
     """What the tensors of one exchange (one bucket) share on this rank, for this exchange only: when
     its timed part began, one record of times per measurement history, and what each tensor ran."""
 
-    def __init__(self):
+    def __init__(self, keys: Optional[tuple] = None):
+        self.keys = keys  # the bucket's tensors, as the state told the clock (None: not told)
         self.start: Optional[float] = None
         self.ran: dict = {}  # tensor key -> (step, candidate, bytes its agreement sent)
+        self.logged = False  # its settled choices were logged
         self._records: dict = {}  # history of times -> (record, [(ctx, state)] sharing it)
 
     def timing_start(self) -> float:
@@ -76,7 +85,7 @@ class StepClock:
 
     def start(self, keys: Sequence[str], now: float) -> None:
         """These tensors' exchange (one bucket) starts at ``now``."""
-        bucket = BucketExchange()
+        bucket = BucketExchange(tuple(keys))
         for key in keys:
             last = self._starts.get(key)
             if last is not None:
@@ -200,6 +209,7 @@ class Auto(Compressor):
         self._schedule = ScheduleConfig(len(built), warmup, trials, verify)
         self._blank = AutoState.blank(self._schedule)
         self._clock = StepClock(keep=max(1, verify * REPETITION))
+        self._decided: dict = {}  # tensor key -> its AutoState when it decided (for the log line)
 
     def choices(self, tensors: dict) -> dict[str, str]:
         """Tensor name -> the candidate spec it uses, for every decided tensor of a state's ``tensors``."""
@@ -208,6 +218,77 @@ class Auto(Compressor):
 
     def describe(self, tensors: dict) -> dict:
         return {"choices": self.choices(tensors)}
+
+    # -- what was decided and why (GradzipState.describe, the log) ---------------------------------------
+    def decision(self, slot: dict, step: int = 0) -> dict:
+        """What auto decided for one tensor and why, from its per-tensor state ``slot`` (a state's
+        ``tensors[key]``, or {} before it has any) at ``step``.  Times are seconds as auto recorded them,
+        agreed over the ranks (None: not measured): ``exchange_s``, the bucket's exchange under each
+        candidate (min over trials and ranks); ``explored_step_s``, whole steps while exploring under
+        each; ``step_s``, the whole steps ``{"plan", "dense"}`` the choice rests on (None: not timed).
+        ``choice`` is a candidate spec, None until decided; ``stage`` is the schedule's (``warmup``,
+        ``explore``, ``stand-in``, ``decide``, ``verify``, ``chosen``); ``reason`` says why, in words."""
+        state = AutoState.load(slot.get, self._blank)
+        stage = schedule(state, step, self._schedule).stage
+        plan_s, dense_s = state.step_cost.tolist()
+        return {"choice": None if state.choice is None else self.candidates[state.choice], "stage": stage,
+                "reason": self._reason(state) if state.choice is not None else self._progress(state, stage),
+                "exchange_s": self._per_candidate(state.cost),
+                "explored_step_s": self._per_candidate(state.explored),
+                "step_s": {"plan": plan_s, "dense": dense_s} if math.isfinite(plan_s) and math.isfinite(dense_s)
+                else None}
+
+    def _per_candidate(self, times: torch.Tensor) -> dict:
+        return {spec: float(t) if math.isfinite(t) else None for spec, t in zip(self.candidates, times.tolist())}
+
+    def _progress(self, state: AutoState, stage: str) -> str:
+        if stage == "warmup":
+            return f"warming up: {self.warmup} dense step(s) before timing the candidates"
+        if stage == "verify" or (stage == "decide" and state.plan is not None):
+            return f"verifying {self.candidates[state.plan]}: its whole steps against dense ones"
+        return f"exploring: {self.trials} timed step(s) per candidate"
+
+    def _reason(self, state: AutoState) -> str:
+        """Why ``state.choice`` (decided) was chosen, from what the decision recorded."""
+        chosen, none, cost = state.choice, self._none, state.cost.tolist()
+        plan_s, dense_s = state.step_cost.tolist()
+        if none is None:
+            return f"the cheapest exchange, {_ms(cost[chosen])} (no dense candidate to compare with)"
+        if chosen == none:
+            if math.isfinite(plan_s) and math.isfinite(dense_s):
+                return (f"no verified plan made whole steps {self.step_margin:.0%} faster than dense "
+                        f"(last: {_ms(plan_s)} against dense's {_ms(dense_s)})")
+            return (f"no candidate's exchange was {self.margin:.0%} faster and {self.min_saving_ms:g} ms cheaper "
+                    f"than dense's {_ms(cost[none])} with whole exploration steps faster than dense's")
+        versus = f"exchange {_ms(cost[chosen])} against dense's {_ms(cost[none])}"
+        if self.verify == 0:
+            return f"the cheapest exchange that beat dense's (no verification): {versus}"
+        if not (math.isfinite(plan_s) and math.isfinite(dense_s)):
+            return f"the plan under verification when a resumed run lost the step clock: {versus}"
+        explored = state.explored.tolist()
+        if plan_s == explored[chosen] and dense_s == explored[none]:
+            return (f"kept unverified: whole exploration steps {_ms(plan_s)}, under {_CLEAR_WIN:g} of dense's "
+                    f"{_ms(dense_s)}; {versus}")
+        return f"verified: whole steps {_ms(plan_s)} against dense's {_ms(dense_s)}; {versus}"
+
+    def _settled(self, bucket: BucketExchange, ctx: TensorContext, state: AutoState) -> None:
+        """Note that ``key`` decided in this exchange; once every tensor of its bucket has, log the
+        bucket's choices (logger ``gradzip.compressors.auto``, INFO).  A step skipped for NaN or Inf at
+        that moment takes the decision again, which is then logged again."""
+        key = ctx.key
+        self._decided[key] = state
+        keys = bucket.keys if bucket.keys and key in bucket.keys else (key,)
+        if bucket.logged or not _log.isEnabledFor(logging.INFO) or not all(k in self._decided for k in keys):
+            return
+        bucket.logged = True
+        groups: dict = {}
+        for k in keys:
+            decided = self._decided[k]
+            groups.setdefault((self.candidates[decided.choice], self._reason(decided)), []).append(k)
+        name = keys[0] if len(keys) == 1 else f"{keys[0]} .. {keys[-1]} ({len(keys)} tensors)"
+        parts = [f"{spec}" + ("" if len(groups) == 1 else f" for {len(members)} tensor(s)") + f" ({why})"
+                 for (spec, why), members in groups.items()]
+        _log.info("auto on rank %d settled bucket %s: %s", ctx.rank, name, "; ".join(parts))
 
     def observe_step(self, keys, now):
         self._clock.start(keys, now)
@@ -258,10 +339,13 @@ class Auto(Compressor):
     def exchange(self, x, ctx):
         state = self._load(ctx)
         changes = self._turn(state, ctx).stage not in ("warmup", "chosen")
+        undecided = state.choice is None
         agreed = yield from self._clock_and_agree(state, ctx)
         stage, index = self._turn(state, ctx)
         bucket = self._clock.exchange_of(ctx.key)
         bucket.ran[ctx.key] = (ctx.step, index, agreed)  # for payload_bytes
+        if undecided and state.choice is not None:
+            self._settled(bucket, ctx, state)
         if stage in ("explore", "stand-in"):
             state.ran = index
         run = self._built[index].exchange if self._sends(index, ctx) else self._dense.exchange

@@ -7,6 +7,7 @@ imports every family, so the registry is complete once the package is.  This mod
 from __future__ import annotations
 
 import ast
+import difflib
 import inspect
 
 from .base import Compressor
@@ -28,8 +29,51 @@ def compressors() -> list[str]:
 
 def compressor_class(name: str) -> type[Compressor]:
     if name not in _REGISTRY:
-        raise ValueError(f"unknown compressor {name!r}; valid names: {', '.join(_REGISTRY)}")
+        raise ValueError(f"unknown compressor {name!r}{did_you_mean(name, _REGISTRY)}; valid names: {', '.join(_REGISTRY)}")
     return _REGISTRY[name]
+
+
+def did_you_mean(given, valid) -> str:
+    """``" (did you mean 'topk'?)"`` for the closest of ``valid`` to ``given``, or "" when none is close."""
+    close = difflib.get_close_matches(given, list(valid), n=1) if isinstance(given, str) else []
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+# One line per built-in method for `gradzip methods`; a method registered elsewhere gets the first
+# sentence of its docstring (or its class attribute ``summary``).
+_SUMMARIES = {
+    "none": "dense allreduce of g/N in the gradient's dtype (plain DDP)",
+    "fp16": "dense allreduce in IEEE half precision: 16 bits per element",
+    "bf16": "dense allreduce in bfloat16: 16 bits per element",
+    "topk": "sparse: the ratio*n largest |g|, with error feedback",
+    "randomk": "sparse: ratio*n random positions, with error feedback",
+    "threshold": "sparse: every |g| > tau (variable size), with error feedback",
+    "dropping": "sparse: drops the drop_ratio smallest |g| (sampled threshold)",
+    "dgc": "Deep Gradient Compression: sparse, momentum correction, warm-up",
+    "csc": "sparse: the chunks of largest L1 norm, agreed by all ranks (allreduce)",
+    "adaptive_threshold": "sparse: the ratio largest of each sign, sent as one mean per sign",
+    "qsgd": "unbiased stochastic quantisation to `levels` levels per bucket",
+    "terngrad": "unbiased ternary quantisation, 2 bits per element",
+    "natural": "unbiased rounding to a power of two, 8 bits per element",
+    "onebit": "1-bit SGD: one bit per element, two means per column, error feedback",
+    "signsgd": "sign of each element with majority vote, no error feedback",
+    "signum": "sign of the momentum with majority vote",
+    "efsignsgd": "scaled sign of each element, with error feedback",
+    "powersgd": "low rank: rank-r power iteration, warm-started, error feedback",
+    "auto": "times the candidates on your link and keeps the fastest per bucket",
+    "sparseloco": "chunked Top-k with 2-bit values and decaying error feedback (DiLoCo)",
+    "sketch": "count sketch of the gradient, heavy hitters recovered",
+}
+
+
+def summary(name: str) -> str:
+    """One line saying what method ``name`` does."""
+    cls = compressor_class(name)
+    own = cls.__dict__.get("summary") or _SUMMARIES.get(name)
+    if own:
+        return own
+    doc = " ".join((cls.__doc__ or "").split())
+    return doc.split(". ")[0].rstrip(".")
 
 
 def parameters_of(name: str) -> dict:
@@ -80,10 +124,11 @@ def make(name: str | Compressor, **params) -> Compressor:
     valid = parameters_of(name)
     unknown = sorted(set(params) - set(valid))
     if unknown:
-        raise ValueError(
-            f"unknown parameter(s) {', '.join(unknown)} for compressor {name!r}; valid: {', '.join(valid) or 'none'}"
-        )
+        hint = did_you_mean(unknown[0], valid) if len(unknown) == 1 else ""
+        raise ValueError(f"unknown parameter(s) {', '.join(unknown)} for compressor {name!r}{hint}; "
+                         f"valid: {', '.join(valid) or 'none'}")
     return compressor_class(name)(**params)
 
 
-__all__ = ["register", "compressors", "compressor_class", "parameters_of", "make", "parse_value", "parse_spec"]
+__all__ = ["register", "compressors", "compressor_class", "parameters_of", "make", "parse_value", "parse_spec",
+           "summary", "did_you_mean"]

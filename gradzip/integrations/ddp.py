@@ -14,6 +14,7 @@ buckets are issued in the same order on every rank — even for multi-phase meth
 whose chained future callbacks reorder them in PyTorch's hook.
 """
 
+import logging
 import os
 import time
 from typing import Optional
@@ -26,6 +27,8 @@ from ..state import GradzipState
 from .momentum_guard import guard_momentum
 
 __all__ = ["register", "ddp_comm_hook"]
+
+_log = logging.getLogger(__name__)
 
 
 def register(ddp_model: DistributedDataParallel, compressor="none", *, group: "Optional[dist.ProcessGroup]" = None,
@@ -51,6 +54,12 @@ def register(ddp_model: DistributedDataParallel, compressor="none", *, group: "O
             "shard gradients with reduce-scatter, which it does not support); with HF Trainer (whose "
             "callbacks get the unwrapped model) use gradzip.integrations.transformers.register(trainer, "
             "method, ...); without DDP, wrap the optimizer in gradzip.DistributedOptimizer")
+    if getattr(ddp_model, "_comm_hooks", None):  # DDP takes one hook; its own error says only "once"
+        hook = ddp_model._comm_hooks[0][0]
+        had = ("gradzip.register() was already called on this DDP model" if hook is ddp_comm_hook else
+               f"this DDP model already has the communication hook {getattr(hook, '__qualname__', hook)}")
+        raise ValueError(f"{had}, and DDP takes one hook per model: keep the state the first register() "
+                         "returned, or wrap the module in a new DistributedDataParallel")
     state = GradzipState(compressor, group=group, seed=seed, **params)
     state.param_names = {p: name for name, p in ddp_model.module.named_parameters()}
     # Buckets that are sent densely go through a plain allreduce on DDP's own group, which gradzip's
@@ -63,6 +72,7 @@ def register(ddp_model: DistributedDataParallel, compressor="none", *, group: "O
         state.load_state_dict(_saved_state(resume, state.rank))
     ddp_model.register_comm_hook(state, ddp_comm_hook)
     guard_momentum(state, ddp_model.module.parameters())
+    _log.info("gradzip.register: %s", state.describe(as_text=True))
     return state
 
 

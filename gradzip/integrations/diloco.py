@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import numbers
 from typing import Optional
 
@@ -18,6 +19,8 @@ from ..compressors import make
 from ..state import GradzipState
 
 __all__ = ["DiLoCo", "check_options", "OPTIONS"]
+
+_log = logging.getLogger(__name__)
 
 
 def _partition(sizes: list[int], parts: int) -> list[range]:
@@ -156,6 +159,9 @@ class DiLoCo:
         self.inner_steps = self.syncs = self.nonfinite_syncs = 0
         self.fragment_syncs = [0] * fragments
         self._ddp_bytes = sum(p.numel() * p.element_size() for _, p in named)
+        _log.info("gradzip.DiLoCo: sync_every=%d, fragments=%d, outer_lr=%g, outer_momentum=%g, overlap=%s; "
+                  "outer exchange: %s", self.sync_every, fragments, self.outer_lr, self.outer_momentum, self.overlap,
+                  self.state.describe(as_text=True))
 
     @torch.no_grad()
     def step(self) -> tuple:

@@ -7,6 +7,7 @@ order on every rank.
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
@@ -17,6 +18,8 @@ from ..state import GradzipState
 from .momentum_guard import guard_momentum
 
 __all__ = ["DistributedOptimizer"]
+
+_log = logging.getLogger(__name__)
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -95,6 +98,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._callback_queued = False   # the end-of-backward callback of the running pass
         self._synchronized = False      # p.grad holds an average produced since the last step()
         self._add_parameters(named)
+        _log.info("gradzip.DistributedOptimizer: %s; %d parameter tensors in %d buckets",
+                  self.gradzip_state.describe(as_text=True), len(named), len(self._buckets))
 
     # param_groups, defaults and state are the wrapped optimizer's very objects.
     @property
