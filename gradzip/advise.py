@@ -4,22 +4,31 @@ It measures what the cost model (gradzip/costmodel.py) needs — the model's com
 link's alpha and beta (or takes a given bandwidth), each method's collectives and codec time — and ranks
 the methods by projected step time at N workers, with the speedup over dense and a static accuracy-risk
 rating from the literature (:func:`accuracy_risk`).
+
+The model is a built-in one (``"cnn"``, ``"resnet20"``, ...; its dataset's batches and loss) or yours: a
+``torch.nn.Module`` with one sample batch, and ``loss_fn(model, batch)`` or the loss :func:`default_loss`
+infers from the batch.  On the command line, ``--model package.module:factory`` names a function that
+returns the model, ``(model, batch)`` or ``(model, batch, loss_fn)`` (:func:`user_model`).
 """
 from __future__ import annotations
 
+import importlib
 import math
 import os
-from typing import Callable, Iterable, Optional
+import sys
+from collections.abc import Mapping
+from typing import Callable, Iterable, Optional, Union
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from . import costmodel as cost
 from .compressors import make, parse_spec
 from .costmodel import Link
 from .feedback import NoFeedback, scheme_of
 
-__all__ = ["advise", "accuracy_risk", "format_advice", "DEFAULT_METHODS"]
+__all__ = ["advise", "accuracy_risk", "format_advice", "recommend", "default_loss", "user_model", "DEFAULT_METHODS"]
 
 DEFAULT_METHODS = ("none", "fp16", "bf16", "powersgd:rank=2", "topk:ratio=0.01", "randomk:ratio=0.01",
                    "dgc:ratio=0.001", "qsgd:levels=1", "qsgd:levels=7", "terngrad", "natural", "efsignsgd",
@@ -106,12 +115,18 @@ def _measure_this_cluster() -> tuple[Link, int]:
             dist.destroy_process_group()
 
 
-def advise(model: str = "cnn", dataset: str = "fashion-mnist", *, netem: Optional[str] = None,
-           bandwidth: Optional[str] = None, alpha: Optional[float] = None, workers: Optional[int] = None,
-           methods: Optional[Iterable] = None, outer: Iterable[str] = (), batch_size: int = 32,
-           overlap: Optional[float] = None, bucket_cap_mb: float = 25.0, data_dir: Optional[str] = None,
-           echo: Optional[Callable[[str], object]] = print) -> list[dict]:
-    """Rank ``methods`` for training ``model`` on ``dataset`` with ``workers`` workers; returns the rows.
+def advise(model: Union[str, nn.Module] = "cnn", data=None, *, loss_fn: Optional[Callable] = None,
+           netem: Optional[str] = None, bandwidth: Optional[str] = None, alpha: Optional[float] = None,
+           workers: Optional[int] = None, methods: Optional[Iterable] = None, outer: Iterable[str] = (),
+           batch_size: Optional[int] = None, overlap: Optional[float] = None, bucket_cap_mb: float = 25.0,
+           data_dir: Optional[str] = None, echo: Optional[Callable[[str], object]] = print) -> list[dict]:
+    """Rank ``methods`` for training ``model`` with ``workers`` workers; returns the rows, fastest first.
+
+    ``model``: a built-in name (cnn, mlp, resnet20, lstm, gpt) with ``data`` its dataset's name (default
+    fashion-mnist), ``batch_size`` (default 32) and ``data_dir``; or your ``torch.nn.Module`` with ``data``
+    one sample batch, exactly as your training loop feeds it, on the model's device, and ``loss_fn(model,
+    batch) -> scalar loss`` (default: :func:`default_loss`).  Your model is timed on that batch (forward,
+    loss, backward, an SGD step) and left as it was.
 
     The link: ``bandwidth`` (e.g. "1gbit"; alpha = ``alpha`` seconds or :data:`gradzip.costmodel.DEFAULT_ALPHA`)
     needs nothing; under torchrun alpha and beta are fitted to allreduces between the job's ranks, i.e.
@@ -122,9 +137,10 @@ def advise(model: str = "cnn", dataset: str = "fashion-mnist", *, netem: Optiona
     from the measured moments its gradients are ready (the model's bucket timeline, as DDP does); a
     number is a fixed fraction of communication hidden (0: none).  Each row: label, method, params,
     step_s and its parts, speedup (vs the ``none`` method: dense DDP averaging), wire_bytes (per step),
-    sync_every, risk, why.  ``outer``: DiLoCo specs (``"diloco:sync_every=50"``, as ``gradzip train --outer``);
-    each adds a row per method, its exchange every sync_every steps (:func:`gradzip.costmodel.outer_step_time`).
-    ``echo`` prints the table (None: quiet).
+    sync_every, risk, why, and ``recommended`` (:func:`recommend`'s row).  ``outer``: DiLoCo specs
+    (``"diloco:sync_every=50"``, as ``gradzip train --outer``); each adds a row per method, its exchange
+    every sync_every steps (:func:`gradzip.costmodel.outer_step_time`).  ``echo`` prints the table, the
+    model's parameter count and the recommendation (None: quiet).
     """
     from .harness.trainer import parse_outer
 
@@ -144,7 +160,7 @@ def advise(model: str = "cnn", dataset: str = "fashion-mnist", *, netem: Optiona
     if not any(name == "none" for name, _ in specs):
         specs.insert(0, ("none", {}))  # the dense baseline every speedup is relative to
 
-    compute = cost.measure_compute(model, dataset, batch_size=batch_size, data_dir=data_dir)
+    compute, title = _measure(model, data, loss_fn, batch_size, data_dir)
     if bandwidth is not None:
         link, source = cost.Link.from_rate(bandwidth, alpha), f"given {bandwidth}"
     elif cluster is not None:
@@ -165,12 +181,164 @@ def advise(model: str = "cnn", dataset: str = "fashion-mnist", *, netem: Optiona
         rows.append(_row(p, cost.step_time(p, compute.seconds, link, workers, **timing), base))
         rows += [_row(p, cost.outer_step_time(p, compute.seconds, link, workers, h), base, h) for h in syncs]
     rows.sort(key=lambda r: r["step_s"])
+    best = recommend(rows)
+    for r in rows:
+        r["recommended"] = r is best
     if echo is not None:
         hidden = "bucket timeline" if overlap is None else f"{overlap:g} of communication"
-        echo(f"{model} on {dataset}, batch {batch_size}, {workers} workers; link {link} ({source}); "
-             f"compute {1e3 * compute.seconds:.1f} ms/step; overlap: {hidden}")
+        sizes = [g.numel() for _, g in compute.grads]
+        echo(f"{title}: {sum(sizes):,} parameters in {len(sizes)} tensors, {workers} workers; link {link} "
+             f"({source}); compute {1e3 * compute.seconds:.1f} ms/step; overlap: {hidden}")
         echo(format_advice(rows))
+        echo(format_recommendation(best))
     return rows
+
+
+def _measure(model, data, loss_fn, batch_size, data_dir) -> tuple:
+    """(:class:`gradzip.costmodel.Compute`, a title) for a built-in model or the caller's own."""
+    if isinstance(model, str):
+        if loss_fn is not None:
+            raise ValueError("loss_fn goes with your own model; a built-in model takes its dataset's loss")
+        data = "fashion-mnist" if data is None else data
+        if not isinstance(data, str):
+            raise ValueError(f"with a built-in model, data is a dataset name, got {type(data).__name__}; "
+                             "a sample batch goes with your own torch.nn.Module")
+        batch_size = 32 if batch_size is None else batch_size
+        compute = cost.measure_compute(model, data, batch_size=batch_size, data_dir=data_dir)
+        return compute, f"{model} on {data}, batch {batch_size}"
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a built-in model's name or a torch.nn.Module, got {type(model).__name__}")
+    if data is None or isinstance(data, str):
+        raise ValueError("advise(model, sample_batch): give one batch of your model's input, as your training "
+                         "loop feeds it")
+    if batch_size is not None or data_dir is not None:
+        raise ValueError("batch_size and data_dir are for the built-in models; your sample batch is the batch")
+    if loss_fn is not None and not callable(loss_fn):
+        raise ValueError(f"loss_fn must be a function (model, batch) -> scalar loss, got {type(loss_fn).__name__}")
+    compute = cost.measure_compute_of(model, data, loss_fn or default_loss(data))
+    return compute, f"{type(model).__name__} on your batch"
+
+
+def default_loss(batch) -> Callable:
+    """The loss :func:`advise` uses for your model without ``loss_fn``, from the sample batch's form:
+
+    - a dict: ``model(**batch)``, whose output has ``loss`` (a Hugging Face model given ``labels``);
+    - ``(inputs, targets)``: ``model(inputs)`` (its ``logits``, or the first element of a tuple), then
+      cross-entropy over the last dimension for integer targets, else the mean squared error;
+    - a tensor: ``model(batch)``, then the stand-in ``output.float().square().mean()``.  The step's time
+      and the gradients' sizes are your model's; their values are not your training's, which only the
+      data-dependent methods' sizes (threshold, dropping) depend on.
+
+    Any other form needs ``loss_fn(model, batch)``."""
+    if isinstance(batch, Mapping):
+        return _dict_loss
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return _pair_loss
+    if isinstance(batch, torch.Tensor):
+        return lambda model, x: _logits(model(x)).float().square().mean()
+    raise ValueError(f"a sample batch of type {type(batch).__name__} needs loss_fn(model, batch) -> scalar loss "
+                     "(without it: a tensor, an (inputs, targets) pair, or a dict for model(**batch))")
+
+
+def _dict_loss(model, batch):
+    out = model(**batch)
+    loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
+    if loss is None:
+        raise ValueError("model(**batch) returned no loss (put the labels in the batch, or pass loss_fn(model, batch))")
+    return loss
+
+
+def _pair_loss(model, batch):
+    x, y = batch
+    out = _logits(model(x))
+    if not y.is_floating_point():
+        return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+    return torch.nn.functional.mse_loss(out, y)
+
+
+def _logits(out) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, Mapping) and "logits" in out:
+        return out["logits"]
+    if hasattr(out, "logits"):
+        return out.logits
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    raise ValueError(f"the model returned a {type(out).__name__}, not a tensor; pass loss_fn(model, batch)")
+
+
+def user_model(spec: str, batch: Optional[str] = None, loss: Optional[str] = None) -> tuple:
+    """(model, sample batch, loss_fn or None) from ``--model package.module:factory``: ``factory()``
+    returns the model (then ``batch`` names a function returning the sample batch), ``(model, batch)`` or
+    ``(model, batch, loss_fn)``; ``loss`` names a ``loss_fn(model, batch)``.  Modules are imported from
+    the current directory and ``PYTHONPATH``; a bad spec is a one-line ValueError."""
+    made = load_function(spec, "--model")()
+    if isinstance(made, nn.Module):
+        made = (made,)
+    if (not isinstance(made, tuple) or not 1 <= len(made) <= 3 or not isinstance(made[0], nn.Module)
+            or (len(made) == 3 and made[2] is not None and not callable(made[2]))):
+        raise ValueError(f"--model {spec!r} returned {_kind(made)}; expected a torch.nn.Module, (model, batch) or "
+                         "(model, batch, loss_fn)")
+    model, sample, loss_fn = made + (None,) * (3 - len(made))
+    if batch is not None:
+        if len(made) > 1:
+            raise ValueError(f"--model {spec!r} returns a batch already; --batch is for a factory that returns the "
+                             "model alone")
+        sample = load_function(batch, "--batch")()
+    elif len(made) == 1:
+        raise ValueError(f"--model {spec!r} returns the model alone: give --batch package.module:function "
+                         "returning one input batch, or return (model, batch)")
+    if loss is not None:
+        loss_fn = load_function(loss, "--loss")
+    return model, sample, loss_fn
+
+
+def _kind(value) -> str:
+    if isinstance(value, tuple):
+        return f"a tuple of ({', '.join(type(v).__name__ for v in value)})"
+    return f"a {type(value).__name__}"
+
+
+def load_function(spec: str, option: str) -> Callable:
+    """The function ``package.module:name`` (``name`` may be dotted) names; a one-line ValueError if
+    the spec, the module or the attribute is wrong, or the attribute is not callable."""
+    module_name, colon, attr = spec.partition(":") if isinstance(spec, str) else ("", "", "")
+    if not colon or not module_name.strip() or not attr.strip():
+        raise ValueError(f"{option} {spec!r}: expected package.module:function")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m` does: the user's own modules are found
+    try:
+        obj = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name is None or not (module_name == exc.name or module_name.startswith(exc.name + ".")):
+            raise  # the module was found; something it imports was not
+        raise ValueError(f"{option} {spec!r}: no module named {exc.name!r} (in the current directory or on "
+                         "PYTHONPATH)") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"{option} {spec!r}: module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"{option} {spec!r}: {attr} is not a function but a value of type {type(obj).__name__}")
+    return obj
+
+
+def recommend(rows: list[dict]) -> dict:
+    """The row to use: the fastest projected step among the methods rated low or medium risk (dense, the
+    ``none`` row, when none of them beats it)."""
+    safe = [r for r in rows if r["risk"] in ("low", "medium")]
+    return min(safe or rows, key=lambda r: r["step_s"])
+
+
+def format_recommendation(row: dict) -> str:
+    """One sentence for :func:`recommend`'s row."""
+    if row["method"] == "none" and row["sync_every"] is None:
+        return ("Recommendation: none (plain DDP): no method rated low or medium risk projects a faster step "
+                "on this link.")
+    return (f"Recommendation: {row['label']}: {1e3 * row['step_s']:.1f} ms per step, {row['speedup']:.2f}x "
+            f"dense's speed, accuracy risk {row['risk']}. On the real run, gradzip.register(ddp_model, \"auto\") "
+            "times the candidates on your link instead.")
 
 
 def _row(p: cost.MethodProfile, t: dict, base_s: float, sync_every: Optional[int] = None) -> dict:

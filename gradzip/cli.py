@@ -137,7 +137,6 @@ def demo(
 ):
     """First run: dense vs three compressors on Fashion-MNIST with 2 workers, then a comparison table."""
     from rich.console import Console
-    from rich.table import Table
 
     from .harness.trainer import TrainConfig, launch
 
@@ -153,21 +152,33 @@ def demo(
             raise typer.Exit(2)
         console.print(f"[bold]{method}[/bold] {params or ''}")
         rows.append((method, params, launch(config)))
-    table = Table(title=f"Fashion-MNIST CNN, {workers} workers, {steps} steps each (this machine's loopback link)")
-    for column in ("method", "test acc", "ratio", "MB sent/worker", "step ms", "compute", "compress",
-                   "communicate", "decompress"):
-        table.add_column(column, justify="right" if column != "method" else "left")
-    for method, params, s in rows:
-        table.add_row(method, f"{s['final_test_accuracy']:.4f}", f"{s['mean_ratio']:.1f}x",
-                      f"{s['total_bytes_sent'] / 2**20:.1f}",
-                      *(f"{1000 * s[f'mean_{k}_s']:.1f}" for k in ("step", "compute", "compress", "communicate",
-                                                                   "decompress")))
-    console.print(table)
+    for table in demo_tables(rows, workers, steps):
+        console.print(table)
     console.print("Parameters: " + "; ".join(f"{m} {p}" for m, p, _ in rows if p) + ". Times are means per step "
                   "in ms; compress/communicate/decompress run on gradzip's thread and overlap backward ('none' "
                   "takes DDP's own allreduce instead, timed only within the step).")
     console.print("Compression pays only when the link, not the processor, is the bottleneck; on a fast local "
                   "link expect no speedup. Runs and metrics are in " + out_dir)
+
+
+def demo_tables(rows: list, workers: int, steps: int) -> list:
+    """The demo's results as two rich tables, each narrow enough for an 80-column terminal: what each
+    method reached and sent, and where its step time went.  ``rows``: (method, params, run summary)."""
+    from rich.table import Table
+
+    results = Table(title=f"Fashion-MNIST CNN, {workers} workers, {steps} steps each (this machine's loopback link)")
+    times = Table(title="Time per step, ms")
+    for table, columns in ((results, ("method", "test acc", "ratio", "bits/element", "MB sent/worker", "step ms")),
+                           (times, ("method", "step", "compute", "compress", "communicate", "decompress"))):
+        for column in columns:
+            table.add_column(column, justify="left" if column == "method" else "right", no_wrap=True)
+    for method, params, s in rows:
+        results.add_row(method, f"{s['final_test_accuracy']:.4f}", f"{s['mean_ratio']:.1f}x",
+                        f"{s['mean_bits_per_element']:.2f}", f"{s['total_bytes_sent'] / 2**20:.1f}",
+                        f"{1000 * s['mean_step_s']:.1f}")
+        times.add_row(method, *(f"{1000 * s[f'mean_{k}_s']:.1f}" for k in ("step", "compute", "compress",
+                                                                             "communicate", "decompress")))
+    return [results, times]
 
 
 def _check_data(config) -> None:
@@ -288,8 +299,13 @@ def bench_e2e(
 
 @app.command()
 def advise(
-    model: str = typer.Option("cnn", help="cnn | mlp | resnet20 | lstm | gpt"),
-    dataset: str = "fashion-mnist",
+    model: str = typer.Option("cnn", help="cnn | mlp | resnet20 | lstm | gpt, or your own: package.module:factory, "
+                                          "a function returning the model, (model, batch) or (model, batch, loss_fn)"),
+    batch: Optional[str] = typer.Option(None, help="with your own model: package.module:function returning one "
+                                                   "input batch (if the factory returns the model alone)"),
+    loss: Optional[str] = typer.Option(None, help="with your own model: package.module:function(model, batch) -> "
+                                                  "scalar loss (default: inferred from the batch, see docs)"),
+    dataset: Optional[str] = typer.Option(None, help="a built-in model's dataset (default fashion-mnist)"),
     data_dir: Optional[str] = None,
     netem: Optional[str] = typer.Option(None, help='measure on an emulated link, e.g. "rate=1gbit" (root)'),
     bandwidth: Optional[str] = typer.Option(None, help='use this bandwidth instead of measuring, e.g. "1gbit"'),
@@ -299,17 +315,31 @@ def advise(
     method: List[str] = typer.Option([], "--method", "-m", help='e.g. "topk:ratio=0.01" (repeatable)'),
     outer: List[str] = typer.Option([], help='also each method in DiLoCo\'s outer loop, e.g. "diloco:sync_every=50" '
                                          '(repeatable)'),
-    batch_size: int = 32,
+    batch_size: Optional[int] = typer.Option(None, help="a built-in model's batch size (default 32)"),
     overlap: Optional[float] = typer.Option(None, help="fraction of communication hidden (default: DDP's bucket timeline)"),
 ):
     """Measure compute, link and each method's overhead; rank methods by projected step time.
 
     Under torchrun (`torchrun --nnodes ... -m gradzip advise`) it measures the real links between the
     job's ranks; rank 0 prints the table."""
-    from .advise import advise as run_advise
+    from .advise import advise as run_advise, user_model
+    from .compressors.registry import did_you_mean
+    from .harness.models import MODELS
 
     try:
-        run_advise(model, dataset, netem=netem, bandwidth=bandwidth,
+        if ":" in model:
+            if dataset is not None or batch_size is not None or data_dir is not None:
+                raise ValueError("--dataset, --data-dir and --batch-size are for the built-in models; your factory "
+                                 "or --batch gives the batch")
+            net, data, loss_fn = user_model(model, batch, loss)
+        elif batch is not None or loss is not None:
+            raise ValueError("--batch and --loss go with your own model (--model package.module:factory)")
+        elif model not in MODELS:
+            raise ValueError(f"unknown model {model!r}{did_you_mean(model, MODELS)}; valid names: {', '.join(MODELS)}, "
+                             "or your own as package.module:factory")
+        else:
+            net, data, loss_fn = model, dataset, None
+        run_advise(net, data, loss_fn=loss_fn, netem=netem, bandwidth=bandwidth,
                    alpha=None if alpha_us is None else alpha_us * 1e-6, workers=workers, methods=method or None,
                    outer=outer, batch_size=batch_size, overlap=overlap, data_dir=data_dir, echo=typer.echo)
     except (ValueError, PermissionError, FileNotFoundError) as exc:

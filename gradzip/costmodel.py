@@ -49,7 +49,7 @@ from .state import GradzipState
 
 __all__ = ["Link", "fit_link", "Collective", "RecordingTransport", "ddp_buckets", "MethodProfile",
            "profile_method", "Timeline", "step_time", "outer_step_time", "project", "format_projection",
-           "fit_overlap", "Compute", "measure_compute",
+           "fit_overlap", "Compute", "measure_compute", "measure_compute_of",
            "time_allreduces", "measure_link", "DEFAULT_ALPHA", "WORKER_COUNTS"]
 
 #: Per-message latency used when only a bandwidth is given.  gloo over TCP between two idle processes
@@ -424,38 +424,92 @@ def measure_compute(model: str = "cnn", dataset: str = "fashion-mnist", *, batch
     from .harness.data import load_dataset
     from .harness.models import build_model
 
-    if steps < 1 or warmup < 0:
-        raise ValueError(f"steps must be >= 1 and warmup >= 0, got steps={steps!r}, warmup={warmup!r}")
+    _check_steps(steps, warmup)
     data, info = load_dataset(dataset, train=True, data_dir=data_dir)
     torch.manual_seed(seed)
     net = build_model(model, info, **model_options)
-    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
     language_model = info.task == "language_model"
+
+    def batch(i):
+        lo = (i * batch_size) % max(1, len(data) - batch_size)
+        return data[lo: lo + batch_size]
+
+    def loss(net, batch):
+        x, y = batch
+        out = net(x)
+        if language_model:
+            out, y = out.reshape(-1, out.shape[-1]), y.reshape(-1)
+        return torch.nn.functional.cross_entropy(out, y)
+
+    return _time_steps(net, batch, loss, steps, warmup)
+
+
+def measure_compute_of(net: torch.nn.Module, batch, loss_fn, *, steps: int = 10, warmup: int = 3) -> Compute:
+    """:func:`measure_compute` for any model: ``loss_fn(net, batch)`` (forward and loss) on the same
+    ``batch`` every step, where ``net``'s parameters are (CUDA steps are synchronised before they are
+    read).  ``net`` is left as it was: parameters, buffers, gradients and train/eval mode."""
+    _check_steps(steps, warmup)
+    saved = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    grads = {p: p.grad for p in net.parameters()}
+    training = net.training
+    try:
+        net.train()
+        return _time_steps(net, lambda i: batch, loss_fn, steps, warmup)
+    finally:
+        net.load_state_dict(saved)
+        for p, g in grads.items():
+            p.grad = g
+        net.train(training)
+
+
+def _check_steps(steps, warmup) -> None:
+    if steps < 1 or warmup < 0:
+        raise ValueError(f"steps must be >= 1 and warmup >= 0, got steps={steps!r}, warmup={warmup!r}")
+
+
+def _time_steps(net: torch.nn.Module, batch_at, loss_of, steps: int, warmup: int) -> Compute:
+    """The fastest of ``steps`` local SGD steps (after ``warmup``) of ``loss_of(net, batch_at(i))``.  On
+    CUDA the moments are CUDA events (the host runs ahead of the device), read once the step is done."""
+    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    device = next((p.device for p in net.parameters()), torch.device("cpu"))
+    clock, since, sync = _clock(device)
     stamps: dict = {}
-    hooks = [p.register_post_accumulate_grad_hook(lambda p, name=name: stamps.__setitem__(name, time.perf_counter()))
-             for name, p in net.named_parameters()]
+    hooks = [p.register_post_accumulate_grad_hook(lambda p, name=name: stamps.__setitem__(name, clock()))
+             for name, p in net.named_parameters() if p.requires_grad]
     best = None
     try:
         for i in range(warmup + steps):
-            lo = (i * batch_size) % max(1, len(data) - batch_size)
-            x, y = data[lo: lo + batch_size]
-            start = time.perf_counter()
+            batch = batch_at(i)
+            sync()
+            start = clock()
             opt.zero_grad()
-            out = net(x)
-            if language_model:
-                out, y = out.reshape(-1, out.shape[-1]), y.reshape(-1)
-            torch.nn.functional.cross_entropy(out, y).backward()
-            backward_end = time.perf_counter()
+            loss_of(net, batch).backward()
+            backward_end = clock()
             opt.step()
-            total = time.perf_counter() - start
+            end = clock()
+            sync()
+            total = since(start, end)
             if i >= warmup and (best is None or total < best.seconds):
-                ready = {name: (t - start) / total for name, t in stamps.items()}
-                best = Compute(total, Timeline(ready, (backward_end - start) / total), [])
+                ready = {name: since(start, t) / total for name, t in stamps.items()}
+                best = Compute(total, Timeline(ready, since(start, backward_end) / total), [])
     finally:
         for h in hooks:
             h.remove()
     best.grads = [(name, p.grad.detach().clone()) for name, p in net.named_parameters() if p.grad is not None]
     return best
+
+
+def _clock(device: torch.device):
+    """(now, seconds between two nows, wait for the device) on ``device``."""
+    if device.type != "cuda":
+        return time.perf_counter, lambda a, b: b - a, lambda: None
+
+    def now():
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    return now, lambda a, b: a.elapsed_time(b) / 1e3, torch.cuda.synchronize
 
 
 def time_allreduces(sizes: Sequence[int] = LINK_SIZES, repeats: int = 3, min_time: float = 0.05,

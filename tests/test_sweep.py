@@ -72,6 +72,8 @@ def test_sweep_writes_table_and_plots_consistent_with_summaries(tiny):
         assert float(row["step_ms"]) == pytest.approx(1000 * s["mean_step_s"])
         assert float(row["mib_sent_per_worker"]) == pytest.approx(s["total_bytes_sent"] / 2 ** 20)
         assert float(row["density"]) == pytest.approx(s["mean_density"])
+        assert float(row["bits_per_element"]) == pytest.approx(s["mean_bits_per_element"])
+        assert s["mean_bits_per_element"] == pytest.approx(32 / s["mean_ratio"])  # fp32 gradients
         assert float(row["lr"]) == 0.05
         assert not list((directory / "runs" / run).glob("checkpoint-*.pt"))  # removed once the run finished
     assert float(rows[1]["density"]) == pytest.approx(0.1, abs=0.01)

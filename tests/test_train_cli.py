@@ -24,7 +24,7 @@ STEP_FIELDS = {"kind", "epoch", "step", "loss", "accuracy", "lr", "density", "by
 EPOCH_FIELDS = {"kind", "epoch", "step", "train_loss", "train_accuracy", "test_loss", "test_accuracy", "epoch_s",
                 "wall_s", "lr", "density", "bytes_sent", "payload_bytes", "dense_bytes", "ratio"}
 SUMMARY_FIELDS = {"final_test_accuracy", "time_to_target_s", "epochs_to_target", "total_bytes_sent", "mean_ratio",
-                  "mean_density", "wall_s", "mean_step_s", "mean_compute_s", "mean_compress_s",
+                  "mean_density", "mean_bits_per_element", "wall_s", "mean_step_s", "mean_compute_s", "mean_compress_s",
                   "mean_communicate_s", "mean_decompress_s"}
 DIGITS = ["--dataset", "digits", "--model", "mlp", "--batch-size", "16", "--no-progress", "--lr", "0.05"]
 

@@ -104,6 +104,7 @@ def aggregate(runs: list) -> list:
             "mib_sent_per_worker": [s["total_bytes_sent"] / 2 ** 20 for s in summaries],
             "ratio": [s["mean_ratio"] for s in summaries],
             "density": [s["mean_density"] for s in summaries],
+            "bits_per_element": [s.get("mean_bits_per_element") for s in summaries],  # older runs lack it
         }
         for key, values in fields.items():
             row[key], row[f"{key}_std"] = _mean_std(values)
@@ -124,7 +125,7 @@ def _row_name(row: dict) -> str:
 
 _CSV_STATS = ("score", "test_loss", "train_loss", "time_to_target_s", "epochs_to_target", "step_ms",
               "compute_ms", "compress_ms", "communicate_ms", "decompress_ms", "mib_sent_per_worker", "ratio",
-              "density", "wall_s", "passes")
+              "density", "bits_per_element", "wall_s", "passes")
 
 
 def write_csv(rows: list, path: Path) -> None:
@@ -167,14 +168,16 @@ def write_markdown(rows: list, path: Path, *, title: str, description: str, fini
               f"time and epochs to reach the target ({'none set' if target is None else target}; "
               f"reached/seeds when not all did), mean step time and its split in ms (compress, communicate and "
               f"decompress run on gradzip's thread and overlap backward; compute is the rest), MiB sent per "
-              f"worker, mean compression ratio (dense bytes / bytes sent) and density (fraction of elements sent); "
+              f"worker, mean compression ratio (dense bytes / bytes sent), bits sent per gradient element, "
+              f"density: the fraction of elements whose values a sparsifier sent (100% for every method that "
+              f"sends each element in some coded form, quantisers, sign methods and PowerSGD included); "
               f"passes: how many times a run went through its training data (all workers' samples over the "
               f"training set's size).",
               ""]
     header = (["method", "params", "workers"] + (["tuned"] if has_tuned else [])
               + ["lr", "seeds", "passes", score, "test loss", "train loss", "time to target (s)", "epochs to target",
                  "step ms", "compute", "compress", "communicate", "decompress", "MiB sent/worker", "ratio",
-                 "density"])
+                 "bits/element", "density"])
     lines += ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     for r in rows:
         reached = "" if r["reached"] in (0, r["seeds"]) else f" ({r['reached']}/{r['seeds']})"
@@ -186,7 +189,8 @@ def write_markdown(rows: list, path: Path, *, title: str, description: str, fini
                     _pm(r["time_to_target_s"], r["time_to_target_s_std"], 1) + reached,
                     _pm(r["epochs_to_target"], r["epochs_to_target_std"], 1) + reached]
                  + [_pm(r[f"{k}_ms"], None, 1) for k in ("step",) + _TIMES]
-                 + [_pm(r["mib_sent_per_worker"], None, 2), _pm(r["ratio"], None, 1), _density_text(r["density"])])
+                 + [_pm(r["mib_sent_per_worker"], None, 2), _pm(r["ratio"], None, 1),
+                    _pm(r["bits_per_element"], None, 2), _density_text(r["density"])])
         lines.append("| " + " | ".join(cells) + " |")
     lines += _pivot(rows, score, lm)
     if tuned_lrs:

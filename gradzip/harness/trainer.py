@@ -758,7 +758,8 @@ def _summary(config, stats, last_epoch, reached, wall, world, steps) -> dict:
         "target": config.target, "time_to_target_s": reached["wall_s"] if reached else None,
         "epochs_to_target": reached["epoch"] if reached else None,
         "total_bytes_sent": stats["wire_bytes"], "total_dense_bytes": stats["dense_bytes"],
-        "mean_ratio": stats["ratio"], "mean_density": stats["density"], "wall_s": wall,
+        "mean_ratio": stats["ratio"], "mean_density": stats["density"],
+        "mean_bits_per_element": stats["bits_per_element"], "wall_s": wall,
         "steps": steps,
     }
 
