@@ -32,7 +32,7 @@ def methods():
     typer.echo(format_methods())
 
 
-def format_methods(width: int = 100) -> str:
+def format_methods(width: int = 80) -> str:
     """Each method's name and one-line description, aligned, with its parameters wrapped beneath."""
     import textwrap
 

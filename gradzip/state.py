@@ -756,7 +756,8 @@ class GradzipState:
         (``plain allreduce``, ``bucket``, ``per-tensor``).  With ``auto`` each bucket also has its
         tensors' ``choices``, and ``auto`` maps each tensor to
         :meth:`gradzip.compressors.auto.Auto.decision`: its choice (or its stage until then), why, and
-        the times auto measured.  Reads only what is recorded: no collective, callable on any rank.
+        the times auto measured.  Reads only what is recorded: no collective, so any rank may call it,
+        between steps (gradzip's thread writes what it reads while a step's exchanges run).
         """
         from .compressors.auto import Auto
 
