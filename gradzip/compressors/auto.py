@@ -272,7 +272,7 @@ class Auto(Compressor):
         return f"verified: whole steps {_ms(plan_s)} against dense's {_ms(dense_s)}; {versus}"
 
     def _settled(self, bucket: BucketExchange, ctx: TensorContext, state: AutoState) -> None:
-        """Note that ``key`` decided in this exchange; once every tensor of its bucket has, log the
+        """Note that ``ctx``'s tensor decided in this exchange; once every tensor of its bucket has, log the
         bucket's choices (logger ``gradzip.compressors.auto``, INFO).  A step skipped for NaN or Inf at
         that moment takes the decision again, which is then logged again."""
         key = ctx.key
