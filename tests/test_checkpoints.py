@@ -2,6 +2,8 @@
 ``state.stateful()``, resuming on another number of ranks (:func:`gradzip.state.reshard`), and
 ``register(resume=...)`` refusing a checkpoint without gradzip's state.  Real gloo processes.
 """
+import warnings
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -110,3 +112,15 @@ def test_register_resume_refuses_what_holds_no_gradzip_state(tmp_path):
     torch.save({"model": {}, "optimizer": {}}, tmp_path / "model.pt")
     plain = run_workers(_register_resume, 1, str(tmp_path / "model.pt"))[0]
     assert plain.startswith("ValueError") and "holds no gradzip state_dict" in plain
+
+
+def test_optimizer_state_dict_without_gradzip_state_warns_that_feedback_starts_fresh():
+    model = torch.nn.Linear(3, 2)
+    opt = gradzip.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                       "topk", ratio=0.5)
+    with pytest.warns(UserWarning, match="holds no gradzip state"):
+        opt.load_state_dict(opt.optimizer.state_dict())
+    plain = gradzip.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), "fp16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no feedback, nothing lost: no warning
+        plain.load_state_dict(plain.optimizer.state_dict())

@@ -8,12 +8,14 @@ order on every rank.
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from .. import feedback as _feedback
 from ..state import GradzipState
 from .momentum_guard import guard_momentum
 
@@ -258,7 +260,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a :meth:`state_dict`; a plain state dict of the wrapped optimizer (no ``"gradzip"``)
-        loads into it and leaves the gradzip state as it is."""
+        loads into it and leaves the gradzip state as it is, with a warning where that state is fresh
+        and the method keeps error feedback (the residuals of the saved run are then lost)."""
         state_dict = dict(state_dict)
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
@@ -270,6 +273,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.optimizer.load_state_dict(state_dict)
         if gradzip_state is not None:
             self.gradzip_state.load_state_dict(gradzip_state)
+        elif not self.gradzip_state.steps and _feedback.scheme_of(self.gradzip_state.compressor).state_keys:
+            warnings.warn("DistributedOptimizer.load_state_dict: this state dict holds no gradzip state (no "
+                          "'gradzip' key), so gradzip's error feedback starts from zero; save "
+                          "opt.state_dict() itself (or state_dict(all_ranks=True)) to resume it", stacklevel=2)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
