@@ -389,9 +389,9 @@ def _single(**kwargs):
 
 
 def test_outer_step_is_torch_sgd_with_nesterov_on_the_pseudo_gradient():
-    model, opt, outer = _single(sync_every=3)
+    model, opt, outer = _single(sync_every=3)  # the defaults: outer lr 0.7, Nesterov momentum 0.5
     reference = [p.detach().clone() for p in model.parameters()]
-    ref_opt = torch.optim.SGD(reference, lr=0.7, momentum=0.9, nesterov=True)
+    ref_opt = torch.optim.SGD(reference, lr=0.7, momentum=0.5, nesterov=True)
     for step in range(9):
         _inner_step(model, opt, 0, step)
         local = [p.detach().clone() for p in model.parameters()]

@@ -117,7 +117,7 @@ class DiLoCo:
     """
 
     def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer, *, sync_every: int,
-                 compressor="none", outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True,
+                 compressor="none", outer_lr: float = 0.7, outer_momentum: float = 0.5, nesterov: bool = True,
                  group: Optional[dist.ProcessGroup] = None, fragments: int = 1, overlap: bool = False,
                  merge_alpha: float = 0.0, seed: int = 0, **compressor_params):
         if isinstance(model, nn.parallel.DistributedDataParallel):
