@@ -196,7 +196,7 @@ def test_nothing_is_logged_by_default_and_info_shows_construction(caplog):
          "ratio=0.01); feedback residual; world size not known yet; route: bucket on CUDA, per-tensor on CPU; "
          "6 parameter tensors in 1 buckets"),
         ("gradzip.integrations.diloco", logging.INFO, "gradzip.DiLoCo: sync_every=5, fragments=1, outer_lr=0.7, "
-         "outer_momentum=0.9, overlap=False; outer exchange: fp16(); feedback none; world size 1; route: bucket on "
+         "outer_momentum=0.5, overlap=False; outer exchange: fp16(); feedback none; world size 1; route: bucket on "
          "CUDA, per-tensor on CPU")]
     assert opt.gradzip_state.describe()["buckets"] == [] and outer.state.describe()["method"] == "fp16"
     assert not logging.getLogger("gradzip").handlers  # gradzip adds no handler of its own
