@@ -67,7 +67,7 @@ TRAIN_FIELDS_NOT_OPTIONS = {
 def train(
     model: str = typer.Option("cnn", help="cnn | mlp | resnet20 | lstm | gpt"),
     dataset: str = typer.Option("fashion-mnist",
-                                help="fashion-mnist | mnist | digits | cifar10 | text | chars | synthetic"),
+                                help="fashion-mnist | mnist | digits | cifar10 | text | chars | corpus | synthetic"),
     data_dir: Optional[str] = typer.Option(None, help="directory with the dataset's files"),
     compressor: str = typer.Option("none", "--compressor", "-c", help="see `gradzip methods`"),
     param: List[str] = typer.Option([], "--param", "-p", help="compressor parameter KEY=VALUE (repeatable)"),
