@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from gradzip.cli import app
-from gradzip.harness.report import PLOTS
+from gradzip.harness.report import PLOTS, beyond_spread
 from gradzip.harness.sweep import (bracket_lr, load_sweep, main_runs, parse_sweep, pick_lr, run_sweep,
                                   tuning_runs)
 
@@ -81,6 +81,13 @@ def test_sweep_writes_table_and_plots_consistent_with_summaries(tiny):
     assert "| dense | — | 1 | 0.05 | 1 | " in markdown and "| topk-ratio0.1 | ratio=0.1 | 1 |" in markdown
     assert f"{_summary(directory, 'dense-w1-s0')['final_test_accuracy']:.4f}" in markdown
     assert "by ratio" in markdown  # the swept group's k% table
+    # Rule for published results: the command, seeds, passes and machine, and no claim from one seed.
+    assert f"- Command: `gradzip sweep {tiny[0]} --out-dir {directory.parent}`" in markdown
+    assert "- Seeds: 0 " in markdown and "CPU cores" in markdown.split("- Machine: ")[1].splitlines()[0]
+    passes = _summary(directory, "dense-w1-s0")["passes"]
+    assert f"- Passes over the training data: {passes:.2f}" in markdown
+    delta = float(rows[1]["score"]) - float(rows[0]["score"])
+    assert f"| topk-ratio0.1 | 1 | {delta:.4f} | not claimed: one seed |" in markdown
 
 
 def test_rerun_skips_finished_runs_and_continues_unfinished_ones(tiny):
@@ -270,3 +277,14 @@ def test_shipped_configs_plan_without_errors(tmp_path):
     assert thesis.tuning is not None and thesis.tuning.tuned == "both" and thesis.workers == (2, 4)
     assert len(tuning_runs(thesis)) > 0 and len(main_runs(thesis)) > 0
     assert len(main_runs(plans["quick_demo"])) == 6
+
+
+def test_a_difference_counts_only_beyond_the_sum_of_the_spreads():
+    def row(mean, std):
+        return {"score": mean, "score_std": std}
+
+    assert beyond_spread(row(0.90, 0.01), row(0.87, 0.01), "score") is True
+    assert beyond_spread(row(0.90, 0.02), row(0.87, 0.02), "score") is False
+    assert beyond_spread(row(0.87, 0.01), row(0.90, 0.01), "score") is True  # either direction
+    assert beyond_spread(row(0.90, None), row(0.50, 0.01), "score") is None  # one seed: no spread to compare
+    assert beyond_spread(row(None, None), row(0.50, 0.01), "score") is None

@@ -24,7 +24,7 @@ import statistics
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["load_runs", "aggregate", "render", "PLOTS"]
+__all__ = ["load_runs", "aggregate", "beyond_spread", "render", "PLOTS"]
 
 PLOTS = ("accuracy_vs_density.png", "loss_curves.png", "accuracy_curves.png", "accuracy_vs_time.png",
          "step_time_breakdown.png", "compression_over_time.png")
@@ -156,7 +156,7 @@ def _params_text(row: dict) -> str:
 
 
 def write_markdown(rows: list, path: Path, *, title: str, description: str, finished: int, planned: int,
-                   tuned_lrs: Optional[dict]) -> None:
+                   tuned_lrs: Optional[dict], manifest: Optional[dict] = None) -> None:
     lm = any(r["score_name"] == "test_perplexity" for r in rows)
     score = "test perplexity" if lm else "test accuracy"
     has_tuned = any(r["tuned"] is not None for r in rows)
@@ -164,6 +164,7 @@ def write_markdown(rows: list, path: Path, *, title: str, description: str, fini
     lines = [f"# {title}", ""]
     if description:
         lines += [description, ""]
+    lines += _provenance(rows, manifest or {})
     lines += [f"{finished} of {planned} runs finished.  Mean ± std over seeds of the final {score}, final losses, "
               f"time and epochs to reach the target ({'none set' if target is None else target}; "
               f"reached/seeds when not all did), mean step time and its split in ms (compress, communicate and "
@@ -193,6 +194,7 @@ def write_markdown(rows: list, path: Path, *, title: str, description: str, fini
                     _pm(r["bits_per_element"], None, 2), _density_text(r["density"])])
         lines.append("| " + " | ".join(cells) + " |")
     lines += _pivot(rows, score, lm)
+    lines += _differences(rows, score, lm)
     if tuned_lrs:
         lines += ["", "## Tuned learning rates", "",
                   f"Chosen by the best mean {tuned_lrs['score'].replace('_', ' ')} over tuning seeds "
@@ -211,6 +213,49 @@ def write_markdown(rows: list, path: Path, *, title: str, description: str, fini
                              + " |")
     lines += ["", "## Plots", ""] + [f"![{p[:-4].replace('_', ' ')}]({p})" for p in PLOTS]
     path.write_text("\n".join(lines) + "\n")
+
+
+def _provenance(rows: list, manifest: dict) -> list:
+    """Command, seeds, passes over the data and machine: what every published result must name."""
+    seeds = sorted({run["seed"] for r in rows for run in r["runs"]})
+    passes = [r["passes"] for r in rows if r["passes"] is not None]
+    return [f"- Command: `{manifest['command']}`" if manifest.get("command") else "- Command: not recorded",
+            f"- Seeds: {', '.join(map(str, seeds))} (settings with one seed: no difference is claimed)",
+            "- Passes over the training data: " + ("not recorded" if not passes else f"{min(passes):.2f}"
+                                                    + ("" if max(passes) == min(passes) else f"-{max(passes):.2f}")),
+            f"- Machine: {manifest.get('machine', 'not recorded')}", ""]
+
+
+def beyond_spread(a: dict, b: dict, key: str) -> Optional[bool]:
+    """Whether rows ``a`` and ``b`` differ in ``key`` by more than the sum of their stds over seeds.
+
+    None where either has fewer than two seeds: one seed has no spread, so no difference can be claimed.
+    """
+    if a[f"{key}_std"] is None or b[f"{key}_std"] is None or a[key] is None or b[key] is None:
+        return None
+    return abs(a[key] - b[key]) > a[f"{key}_std"] + b[f"{key}_std"]
+
+
+def _differences(rows: list, score: str, lm: bool) -> list:
+    """Each method against dense (compressor "none") at the same workers and tuning, with the rule applied."""
+    dense = {(r["workers"], r["tuned"]): r for r in rows if r["compressor"] == "none" and not r["params"]}
+    pairs = [(r, dense[(r["workers"], r["tuned"])]) for r in rows
+             if (r["workers"], r["tuned"]) in dense and r is not dense[(r["workers"], r["tuned"])]]
+    if not pairs:
+        return []
+    digits, has_tuned = 2 if lm else 4, any(r["tuned"] is not None for r in rows)
+    verdict = {True: "yes", False: "no: within the spread", None: "not claimed: one seed"}
+    lines = ["", "## Against dense", "",
+             f"Mean {score} minus dense's at the same workers{' and tuning' if has_tuned else ''}; a difference "
+             f"is claimed only where it exceeds the sum of the two stds over seeds.", "",
+             "| method | workers | " + ("tuned | " if has_tuned else "") + f"Δ {score} | beyond the spread |",
+             "|---|---|" + ("---|" if has_tuned else "") + "---|---|"]
+    for r, d in pairs:
+        delta = None if r["score"] is None or d["score"] is None else r["score"] - d["score"]
+        lines.append("| " + " | ".join([r["label"], str(r["workers"])] + (["yes" if r["tuned"] else "no"] if has_tuned
+                                                                          else [])
+                                       + [_pm(delta, None, digits), verdict[beyond_spread(r, d, "score")]]) + " |")
+    return lines
 
 
 def _density_text(density) -> str:
@@ -234,7 +279,7 @@ def _pivot(rows: list, score: str, lm: bool) -> list:
         for column in columns:
             r = cells.get(column + (value,))
             line.append("" if r is None
-                        else f"{_pm(r['score'], None, 2 if lm else 4)} / {_pm(r['test_loss'], None, 4)}")
+                        else f"{_pm(r['score'], r['score_std'], 2 if lm else 4)} / {_pm(r['test_loss'], None, 4)}")
         lines.append(f"| {json.loads(value)} | " + " | ".join(line) + " |")
     return lines
 
@@ -442,7 +487,7 @@ def render(directory) -> list:
     write_csv(rows, paths[0])
     write_markdown(rows, paths[1], title=f"Sweep {manifest.get('name', directory.name)}",
                    description=manifest.get("description", ""), finished=len(runs), planned=planned,
-                   tuned_lrs=json.loads(tuned.read_text()) if tuned.exists() else None)
+                   tuned_lrs=json.loads(tuned.read_text()) if tuned.exists() else None, manifest=manifest)
     plot_accuracy_vs_density(rows, paths[2], lm)
     plot_curves(rows, paths[3], "loss", lm)
     plot_curves(rows, paths[4], "accuracy", lm)

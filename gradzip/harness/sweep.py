@@ -48,6 +48,7 @@ import dataclasses
 import json
 import math
 import os
+import platform
 import re
 import time
 from dataclasses import dataclass, field
@@ -119,6 +120,7 @@ class Sweep:
     description: str = ""
     keep_checkpoints: bool = False
     source: dict = field(default_factory=dict)  # the TOML as read, kept in sweep.json
+    command: str = ""  # how to rerun it, for the report's provenance
 
     @property
     def directory(self) -> Path:
@@ -162,7 +164,10 @@ def load_sweep(path, *, out_dir: Optional[str] = None, name: Optional[str] = Non
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"{path}: not valid TOML ({exc})") from None
-    return parse_sweep(data, default_name=path.stem, out_dir=out_dir, name=name)
+    sweep = parse_sweep(data, default_name=path.stem, out_dir=out_dir, name=name)
+    sweep.command = "gradzip sweep " + str(path) + "".join(
+        f" --{flag} {value}" for flag, value in (("out-dir", out_dir), ("name", name)) if value)
+    return sweep
 
 
 def parse_sweep(data: dict, *, default_name: str = "sweep", out_dir: Optional[str] = None,
@@ -481,8 +486,27 @@ def _choose(sweep: Sweep, summaries: dict, execute: Callable[[list], dict]) -> t
                     "seeds": list(sweep.tuning.seeds), "methods": record}, list(made.values())
 
 
+def machine() -> str:
+    """The machine a sweep ran on, in words: results name it, since timings mean nothing without it."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        cpu = ""
+    try:
+        memory = f", {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2 ** 30:.0f} GiB"
+    except (ValueError, OSError, AttributeError):
+        memory = ""
+    import torch
+
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return (f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPU cores" + (f" ({cpu})" if cpu else "")
+            + memory + ", " + (", ".join(gpus) if gpus else "no GPU") + f", torch {torch.__version__}")
+
+
 def _manifest(sweep: Sweep, tuning: list, runs: list, lrs: Optional[dict]) -> dict:
     return {"name": sweep.name, "description": sweep.description, "config": sweep.source,
+            "command": sweep.command, "machine": machine(),
             "tuned_lrs": lrs, "tuning_runs": [r.manifest() for r in tuning], "runs": [r.manifest() for r in runs]}
 
 
