@@ -56,14 +56,17 @@ import argparse
 import json
 import math
 import os
+import shlex
 import shutil
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 from gradzip.costmodel import Link, outer_step_time, profile_method, step_time
+from gradzip.harness.report import machine, provenance
 from gradzip.harness.sweep import bracket_lr
 from gradzip.harness.trainer import TrainConfig, launch
 
@@ -329,6 +332,11 @@ def main() -> None:
         runs = {label: [run(root / "main", label, f, n, args.eval_every, lr, s) for s in args.seeds]
                 for label, (f, n) in fields.items()}
         lines += main_table(runs, fields, args.steps, _gradients())
+    passes = sorted({round(r["summary"]["passes"], 2) for seeds in runs.values() for r in seeds})
+    seeds = args.grid_seeds if args.grid else args.seeds
+    lines = provenance("python3 benchmarks/diloco_gpt.py " + shlex.join(sys.argv[1:]),
+                       ", ".join(map(str, seeds)) + " (dense DDP's lr tuned on seed 0)",
+                       "-".join(f"{p:.2f}" for p in passes[::max(1, len(passes) - 1)]), machine()) + lines
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shlex
 from pathlib import Path
 from typing import List, Optional
 
@@ -290,7 +291,10 @@ def bench_e2e(
     results = e2e.run(links=links, workers=workers, steps=steps, lr=lr, out_dir=out_dir, contenders=contenders,
                       test_size=test_size, repeats=repeats, log=typer.echo)
     e2e.save(results, f"{out_dir}/results.json")
-    text = e2e.table(results, steps, workers)
+    command = (["gradzip", "bench", "e2e", "-n", str(workers), "--steps", str(steps), "--lr", f"{lr:g}"]
+               + [arg for link in links for arg in ("--link", link)] + (["--only", only] if only else [])
+               + (["--test-size", str(test_size)] if test_size else []) + ["--repeats", str(repeats)])
+    text = e2e.table(results, steps, workers, command=shlex.join(command))
     typer.echo(text)
     if out:
         Path(out).write_text(text)

@@ -21,6 +21,9 @@ def test_tiny_unthrottled_run_reports_every_contender(tmp_path):
     text = e2e.table(results, 6, 2)
     assert "| gradzip topk 1% |" in text and "gradzip auto chose:" in text
     assert "every gradzip method completed on every link: met" in text
+    assert all(r.passes == pytest.approx(6 * 32 * 2 / 60_000) for r in results)
+    assert "- Passes over the training data: 0.01\n" in text and "- Seeds: 0 " in text
+    assert "CPU cores" in text.split("- Machine: ")[1].splitlines()[0]
     # Where each bucket's time went: Top-k's buckets on gradzip's thread, every exchange of them counted
     # (DDP rebuilds its buckets after the first step, so that step's bucket has a line of its own).
     assert results[0].buckets is None and results[1].buckets

@@ -23,6 +23,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Optional
 
+from ..harness.report import machine, provenance
 from ..harness.trainer import TrainConfig, launch
 
 LINKS = ("rate=100mbit", "rate=1gbit", "rate=10gbit", "unthrottled")
@@ -60,6 +61,7 @@ class Result:
     repeat: int = 0
     buckets: Optional[list] = None  # rank 0's GradzipState.bucket_stats() (gradzip contenders)
     median_step_s: Optional[float] = None  # rank 0's median step: not moved by a first step's one-time costs
+    passes: Optional[float] = None  # times the run went through its training data
 
 
 def _choices_note(choices: dict) -> str:
@@ -111,7 +113,7 @@ def run(links=LINKS, workers: int = 4, steps: int = 300, batch_size: int = 32, l
                                   summary["total_bytes_sent"] / 2**20 if baseline is None else None,
                                   note=_choices_note(summary["choices"]) if "choices" in summary else None,
                                   repeat=repeat, buckets=summary.get("buckets") if baseline is None else None,
-                                  median_step_s=statistics.median(step_times)))
+                                  median_step_s=statistics.median(step_times), passes=summary.get("passes")))
             r = results[-1]
             if i == 0:
                 stall_s = max(60.0, 20.0 * r.step_s)
@@ -158,11 +160,14 @@ def _ratio_text(ratios: list[float], suffix: str = "") -> str:
     return text + (f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else "")
 
 
-def table(results: list[Result], steps: int, workers: int) -> str:
+def table(results: list[Result], steps: int, workers: int, command: Optional[str] = None) -> str:
     """Markdown: per link, each contender's epoch time and accuracy, and its speed against dense and the limit
     (with several repeats: medians, and each ratio's median and range over the repeats)."""
     repeats = len({r.repeat for r in results})
-    lines = [f"{workers} workers, Fashion-MNIST CNN, batch 32 per worker, {steps} steps per 'epoch'; test accuracy "
+    passes = sorted({round(r.passes, 2) for r in results if r.passes is not None})
+    lines = provenance(command, "0 (every run; repeats measure time, and accuracy differences are one seed's)",
+                       "-".join(f"{p:.2f}" for p in passes[::max(1, len(passes) - 1)]) or "not recorded", machine())
+    lines += [f"{workers} workers, Fashion-MNIST CNN, batch 32 per worker, {steps} steps per 'epoch'; test accuracy "
              f"after them (DiLoCo: of its global parameters); KiB/step: sent per worker per (inner) step."
              + (f" Median of {repeats} repeats; ratios within each repeat, then their median (range)."
                 if repeats > 1 else ""), ""]

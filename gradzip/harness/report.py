@@ -19,12 +19,14 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
+import platform
 import re
 import statistics
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["load_runs", "aggregate", "beyond_spread", "render", "PLOTS"]
+__all__ = ["load_runs", "aggregate", "beyond_spread", "machine", "provenance", "render", "PLOTS"]
 
 PLOTS = ("accuracy_vs_density.png", "loss_curves.png", "accuracy_curves.png", "accuracy_vs_time.png",
          "step_time_breakdown.png", "compression_over_time.png")
@@ -215,15 +217,37 @@ def write_markdown(rows: list, path: Path, *, title: str, description: str, fini
     path.write_text("\n".join(lines) + "\n")
 
 
+def machine() -> str:
+    """The machine a sweep ran on, in words: results name it, since timings mean nothing without it."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        cpu = ""
+    try:
+        memory = f", {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2 ** 30:.0f} GiB"
+    except (ValueError, OSError, AttributeError):
+        memory = ""
+    import torch
+
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return (f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPU cores" + (f" ({cpu})" if cpu else "")
+            + memory + ", " + (", ".join(gpus) if gpus else "no GPU") + f", torch {torch.__version__}")
+
+
+def provenance(command: Optional[str], seeds: str, passes: str, machine_text: Optional[str]) -> list:
+    """The lines every published result starts with: its command, seeds, passes over the data and machine."""
+    return [f"- Command: `{command}`" if command else "- Command: not recorded", f"- Seeds: {seeds}",
+            f"- Passes over the training data: {passes}", f"- Machine: {machine_text or 'not recorded'}", ""]
+
+
 def _provenance(rows: list, manifest: dict) -> list:
-    """Command, seeds, passes over the data and machine: what every published result must name."""
     seeds = sorted({run["seed"] for r in rows for run in r["runs"]})
     passes = [r["passes"] for r in rows if r["passes"] is not None]
-    return [f"- Command: `{manifest['command']}`" if manifest.get("command") else "- Command: not recorded",
-            f"- Seeds: {', '.join(map(str, seeds))} (settings with one seed: no difference is claimed)",
-            "- Passes over the training data: " + ("not recorded" if not passes else f"{min(passes):.2f}"
-                                                    + ("" if max(passes) == min(passes) else f"-{max(passes):.2f}")),
-            f"- Machine: {manifest.get('machine', 'not recorded')}", ""]
+    return provenance(manifest.get("command"),
+                      f"{', '.join(map(str, seeds))} (settings with one seed: no difference is claimed)",
+                      "not recorded" if not passes else f"{min(passes):.2f}"
+                      + ("" if max(passes) == min(passes) else f"-{max(passes):.2f}"), manifest.get("machine"))
 
 
 def beyond_spread(a: dict, b: dict, key: str) -> Optional[bool]:

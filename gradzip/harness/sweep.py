@@ -48,7 +48,6 @@ import dataclasses
 import json
 import math
 import os
-import platform
 import re
 import time
 from dataclasses import dataclass, field
@@ -60,6 +59,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
+from .report import machine
 from .trainer import TrainConfig, launch, run_dir
 
 __all__ = ["Method", "Tuning", "Sweep", "Run", "load_sweep", "parse_sweep", "tuning_runs", "main_runs",
@@ -484,24 +484,6 @@ def _choose(sweep: Sweep, summaries: dict, execute: Callable[[list], dict]) -> t
     return chosen, {"score": "validation_" + ("perplexity" if lower else "accuracy"),
                     "validation": sweep.tuning.validation, "lrs": tried, "widen": sweep.tuning.widen,
                     "seeds": list(sweep.tuning.seeds), "methods": record}, list(made.values())
-
-
-def machine() -> str:
-    """The machine a sweep ran on, in words: results name it, since timings mean nothing without it."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        cpu = ""
-    try:
-        memory = f", {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2 ** 30:.0f} GiB"
-    except (ValueError, OSError, AttributeError):
-        memory = ""
-    import torch
-
-    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    return (f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPU cores" + (f" ({cpu})" if cpu else "")
-            + memory + ", " + (", ".join(gpus) if gpus else "no GPU") + f", torch {torch.__version__}")
 
 
 def _manifest(sweep: Sweep, tuning: list, runs: list, lrs: Optional[dict]) -> dict:
