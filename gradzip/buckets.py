@@ -176,15 +176,16 @@ class BucketRoute:
                     steps[key] = steps.get(key, 1) - 1
 
     @torch.no_grad()  # rather than detaching each gradient: an operation per tensor
-    def exchange(self, state, named_grads, out):
-        """Run one bucket's exchange for ``state`` (a :class:`GradzipState`); returns the aggregates,
-        written into ``out`` when given."""
+    def exchange(self, state, named_grads, out, compressor: Compressor):
+        """Run one bucket's exchange for ``state`` (a :class:`GradzipState`) with ``compressor`` (the
+        state's, or the method auto chose for the bucket); returns the aggregates, written into ``out``
+        when given."""
         keys = tuple(key for key, _ in named_grads)
         grads = [g for _, g in named_grads]
-        entry = self.bucket(keys, grads, state.compressor)
+        entry = self.bucket(keys, grads, compressor)
         self.resolve(state.steps, state.totals, entry)
-        layout, compressor = entry.layout, state.compressor
-        compressor.observe_step(keys, time.perf_counter())
+        layout = entry.layout
+        state.compressor.observe_step(keys, time.perf_counter())
         flat_g = entry.flat_input(grads)
         step = state.steps.get(keys[0], 0)
         shapes = _state_shapes(compressor, layout, step)

@@ -300,8 +300,9 @@ class GradzipState:
         """
         if out is not None and len(out) != len(named_grads):
             raise ValueError(f"exchange: out has {len(out)} tensors for {len(named_grads)} gradients")
-        if self._takes_bucket_route(named_grads):
-            return self._route.exchange(self, named_grads, out)
+        method = self._bucket_method(named_grads)
+        if method is not None:
+            return self._route.exchange(self, named_grads, out, method)
         plan = _vector_groups(named_grads, self.group_vectors_below)
         moves = self._moves(named_grads, plan)
         if plan is None:
@@ -345,12 +346,19 @@ class GradzipState:
         return results
 
     def _takes_bucket_route(self, named_grads: Sequence[tuple[str, torch.Tensor]]) -> bool:
+        return self._bucket_method(named_grads) is not None
+
+    def _bucket_method(self, named_grads: Sequence[tuple[str, torch.Tensor]]) -> Optional[Compressor]:
+        """The method that exchanges this bucket whole (the state's own, or auto's choice), or None: the
+        per-tensor route."""
         if self.bucketed is False or self.group_vectors_below > 0 or not named_grads:
-            return False
+            return None
         if self.bucketed is None and not named_grads[0][1].is_cuda:
-            return False
-        return (takes_bucket_route(self.compressor, [g for _, g in named_grads], self.world_size)
-                and self.compressor.takes_bucket(self.world_size))
+            return None
+        method = self.compressor.bucket_method([key for key, _ in named_grads], self.tensors)
+        if method is None or not takes_bucket_route(method, [g for _, g in named_grads], self.world_size):
+            return None
+        return method if method.takes_bucket(self.world_size) else None
 
     def _moves(self, named_grads: Sequence[tuple[str, torch.Tensor]], plan: Optional[list]) -> dict:
         """``{name: (key, key before)}`` for each small vector that :meth:`exchange` now sends under
@@ -789,8 +797,12 @@ class GradzipState:
     def _planned_route(self) -> str:
         """The route this state's exchanges take (:meth:`_takes_bucket_route`), before seeing gradients."""
         world = 1 if self._transport is None else self._transport.world_size
-        if (self.bucketed is False or self.group_vectors_below > 0 or not self.compressor.bucketed
-                or not _feedback.takes_bucket(self.compressor) or not self.compressor.takes_bucket(world)):
+        if self.bucketed is False or self.group_vectors_below > 0:
+            return "per-tensor"
+        if self.compressor.delegates_buckets:
+            return ("per-tensor until it decides, then its choice's route" + ("" if self.bucketed else " on CUDA"))
+        if (not self.compressor.bucketed or not _feedback.takes_bucket(self.compressor)
+                or not self.compressor.takes_bucket(world)):
             return "per-tensor"
         return "bucket" if self.bucketed else "bucket on CUDA, per-tensor on CPU"
 

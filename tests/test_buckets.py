@@ -381,3 +381,69 @@ def test_dgc_bucket_selection_is_select_per_tensor(ratio, power):
         got = mask[start:start + n].nonzero().view(-1)
         piece = p[start:start + n].abs()
         assert torch.equal(piece[got].sort().values, piece[want].sort().values), i
+
+
+AUTO_TOPK = {"candidates": "topk:ratio=0.3", "warmup": 0, "trials": 1, "verify": 0}
+
+
+def _until_auto_decides(state, keys, seed=0) -> int:
+    step = 0
+    while state.compressor.bucket_method(keys, state.tensors) is None:
+        assert step < 10, "auto did not decide"
+        _, named = _bucket(seed=seed + step)
+        state.exchange(named)
+        step += 1
+    return step
+
+
+def test_auto_moves_a_decided_bucket_onto_its_choices_route():
+    """Per tensor while auto explores and decides; then Top-k's bucket route, continuing from the residuals
+    the per-tensor exchanges left: every later step equals a per-tensor Top-k holding the same residuals."""
+    state = GradzipState("auto", bucketed=True, **AUTO_TOPK)
+    keys = [k for k, _ in _bucket()[1]]
+    assert state.describe()["route"] == "per-tensor until it decides, then its choice's route"
+    step = _until_auto_decides(state, keys)
+    assert step >= 2 and not state._route.buckets  # the undecided exchanges ran per tensor
+    assert state.compressor.choices(state.tensors) == dict.fromkeys(keys, "topk:ratio=0.3")
+    reference = GradzipState("topk", bucketed=False, ratio=0.3)
+    owed = {k: {"residual": slot["residual"].clone()} for k, slot in state.tensors.items() if "residual" in slot}
+    assert any(bool(r["residual"].any()) for r in owed.values())  # a residual to carry over
+    reference.tensors.update(owed)
+    for s in range(step, step + 3):
+        _, a = _bucket(seed=s)
+        _, b = _bucket(seed=s)
+        got = state.exchange(a, out=[g for _, g in a])
+        want = reference.exchange(b)
+        assert len(state._route.buckets) == 1  # Top-k's bucket route
+        assert all(torch.equal(x, y) for x, y in zip(got, want)), s
+    for key, slot in reference.tensors.items():
+        torch.testing.assert_close(state.tensors[key]["residual"], slot["residual"], rtol=0, atol=0)
+    assert state.compressor.choices(state.tensors) == dict.fromkeys(keys, "topk:ratio=0.3")  # still reported
+
+
+def test_auto_on_its_choices_route_keeps_ranks_identical_and_resumes():
+    keys = [k for k, _ in _bucket()[1]]
+
+    def rank_run(rank, transport):
+        state = GradzipState("auto", bucketed=True, transport=transport, **AUTO_TOPK)
+        step = _until_auto_decides(state, keys, seed=100 * rank)
+        outs = []
+        for s in range(step, step + 3):
+            _, named = _bucket(seed=100 * rank + s)
+            state.exchange(named, out=[g for _, g in named])
+            outs.append(torch.cat([g.reshape(-1) for _, g in named]))
+        saved = state.state_dict()
+        resumed = GradzipState("auto", bucketed=True, transport=transport, **AUTO_TOPK)
+        resumed.load_state_dict(saved)
+        nxt = []
+        for st in (state, resumed):
+            _, named = _bucket(seed=100 * rank + 50)
+            st.exchange(named, out=[g for _, g in named])
+            nxt.append(torch.cat([g.reshape(-1) for _, g in named]))
+        return outs, nxt, len(state._route.buckets), len(resumed._route.buckets)
+
+    results = run_threads(2, rank_run)
+    for outs, nxt, routed, resumed_routed in results:
+        assert (routed, resumed_routed) == (1, 1)  # a resumed auto goes straight to its choice's route
+        assert torch.equal(nxt[0], nxt[1])  # and continues bit for bit
+        assert all(torch.equal(a, b) for a, b in zip(outs, results[0][0]))

@@ -210,6 +210,27 @@ class Auto(Compressor):
         self._blank = AutoState.blank(self._schedule)
         self._clock = StepClock(keep=max(1, verify * REPETITION))
         self._decided: dict = {}  # tensor key -> its AutoState when it decided (for the log line)
+        self._bucket_methods: dict = {}  # bucket keys -> (each key's recorded choice, the method on its route)
+
+    delegates_buckets = True
+
+    def bucket_method(self, keys, tensors):
+        """Once every tensor of a bucket has chosen the same compressing candidate, for good, that
+        candidate's bucket route, if it has one: from then on auto costs what its choice costs.  Before
+        (exploring, verifying) and for a dense choice: None, the per-tensor route.  Cached per bucket,
+        and looked up again only when a tensor's recorded choice is another object (it was decided, or a
+        checkpoint was loaded), so a settled exchange reads no state."""
+        marks = tuple(tensors.get(key, {}).get("auto_choice") for key in keys)
+        cached = self._bucket_methods.get(tuple(keys))
+        if cached is not None and all(a is b for a, b in zip(cached[0], marks)):
+            return cached[1]
+        chosen = {None if mark is None else int(mark) for mark in marks}
+        method = None
+        if len(chosen) == 1 and None not in chosen:
+            candidate = self._built[chosen.pop()]
+            method = candidate if candidate.name != "none" and candidate.bucketed else None
+        self._bucket_methods[tuple(keys)] = (marks, method)
+        return method
 
     def choices(self, tensors: dict) -> dict[str, str]:
         """Tensor name -> the candidate spec it uses, for every decided tensor of a state's ``tensors``."""

@@ -437,6 +437,15 @@ class Compressor:
         """Whether :meth:`bucket_exchange` serves buckets exchanged among ``world_size`` ranks."""
         return self.bucketed
 
+    #: True when :meth:`bucket_method` may name another method (auto, once it has chosen one).
+    delegates_buckets: ClassVar[bool] = False
+
+    def bucket_method(self, keys: Sequence[str], tensors: dict) -> Optional["Compressor"]:
+        """The method whose :meth:`bucket_exchange` exchanges the bucket of these tensors (``tensors``: the
+        state's per-tensor state by name), or None for the per-tensor route: the method itself where it
+        implements one.  It must not read the device: it runs on every exchange."""
+        return self if self.bucketed else None
+
     def bucket_exchange(self, p: torch.Tensor, b) -> Exchange:
         """The exchange of a whole bucket at once: ``p`` is the flat (error-compensated) input, ``b`` a
         :class:`~.bucket.BucketContext`.  Yields requests as :meth:`exchange` does and returns an
