@@ -4,6 +4,7 @@ projected for slow links.
     python3 benchmarks/diloco_gpt.py --estimate            # one short cell: the cost of the runs below
     python3 benchmarks/diloco_gpt.py --out docs/results/diloco_gpt.md          # the comparison
     python3 benchmarks/diloco_gpt.py --grid --out docs/results/diloco_outer_grid.md   # outer lr x momentum x H
+    python3 benchmarks/diloco_gpt.py --check-links --out docs/results/diloco_links.md  # the projection, checked
 
 Every run: the harness's GPT (2 blocks, width 128, context 64; 0.42M parameters), character-level on the
 ``corpus`` dataset (the Python documentation's sources, Debian package python3-doc: 10.0 MB of training
@@ -33,6 +34,8 @@ Loss at equal inner steps (S), at equal tokens (S x 16 x 2 x 64) and at equal wa
 run trains once, unthrottled, and its losses are read at the step its projected time allows.  The earlier
 version ran every contender behind emulated links (gradzip.netem, root), one seed: the cost model's
 alpha-beta projection came within 8% of such runs on the CNN (docs/results/cost_model.md).
+``--check-links`` checks it on this benchmark: a few contenders (``CHECKED``) for 60-300 inner steps on
+emulated 100 and 10 Mbit/s links (root), measured ms per inner step against the projection.
 
 ``--grid``: DiLoCo with ``compressor="none"``, outer lr (0.5, 0.7, 1, 1.4) x outer momentum (Nesterov; 0,
 0.5, 0.9) x H (as above), at the tuned lr, seed 0 (``--grid-seeds``).
@@ -62,9 +65,11 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
+from gradzip.compressors import make
 from gradzip.costmodel import Link, outer_step_time, profile_method, step_time
 from gradzip.harness.report import machine, provenance
 from gradzip.harness.sweep import bracket_lr
@@ -157,8 +162,34 @@ def _gradients() -> list:
     return [(n, p.grad.detach().clone()) for n, p in model.named_parameters()]
 
 
+class Pace(NamedTuple):
+    """A contender's projected time per inner step: ``warm_ms`` for its first ``warm`` steps (PowerSGD's
+    ``dense_steps``, sent dense), ``ms`` after them."""
+
+    ms: float
+    warm: int = 0
+    warm_ms: float = 0.0
+
+    def seconds_for(self, steps: float) -> float:
+        return (min(steps, self.warm) * self.warm_ms + max(0.0, steps - self.warm) * self.ms) / 1e3
+
+    def steps_within(self, seconds: float) -> float:
+        warm_s = self.warm * self.warm_ms / 1e3
+        if seconds <= warm_s:
+            return 1e3 * seconds / self.warm_ms
+        return self.warm + 1e3 * (seconds - warm_s) / self.ms
+
+
+def pace(fields: dict, compute_s: float, link: Link, grads: list, cache: dict) -> Pace:
+    """The projected pace on ``link``, with a method's dense first steps at dense DDP's pace."""
+    warm = getattr(make(fields["compressor"], **fields.get("params", {})), "dense_steps", 0) \
+        if "outer" not in fields and fields.get("workers") != 1 else 0
+    dense_ms = step_ms(PER_STEP["dense DDP"], compute_s, link, grads, cache) if warm else 0.0
+    return Pace(step_ms(fields, compute_s, link, grads, cache), warm, dense_ms)
+
+
 def step_ms(fields: dict, compute_s: float, link: Link, grads: list, cache: dict) -> float:
-    """Projected ms per inner step on ``link`` with 2 workers (1 worker: compute only)."""
+    """Projected ms per inner step on ``link`` with 2 workers (1 worker: compute only), once compressing."""
     if fields.get("workers") == 1:
         return 1e3 * compute_s
     key = (fields["compressor"], json.dumps(fields.get("params", {}), sort_keys=True), "outer" in fields)
@@ -186,9 +217,19 @@ def loss_at_step(r: dict, step: int):
 
 
 def loss_within(r: dict, steps: float):
-    """Test loss of the last evaluation at or before ``steps`` inner steps (None: none that early)."""
-    done = [e for e in r["epochs"] if e["step"] <= steps + 1e-9]
-    return done[-1]["test_loss"] if done else None
+    """Test loss after ``steps`` inner steps, interpolated linearly between the two evaluations around it
+    (the last one past the run's end; None: before the first).  Reading the last evaluation at or before
+    ``steps`` instead would make a contender whose time falls a hair short of an evaluation lose 50 steps."""
+    evals = [(e["step"], e["test_loss"]) for e in r["epochs"]]
+    before = [(s, v) for s, v in evals if s <= steps + 1e-9]
+    after = [(s, v) for s, v in evals if s > steps + 1e-9]
+    if not before:
+        return None
+    (s0, v0) = before[-1]
+    if not after or not (math.isfinite(v0) and math.isfinite(after[0][1])):
+        return v0
+    s1, v1 = after[0]
+    return v0 + (v1 - v0) * (steps - s0) / (s1 - s0)
 
 
 def _pm(values, spec=".3f") -> str:
@@ -203,10 +244,10 @@ def _pm(values, spec=".3f") -> str:
 def main_table(runs: dict, fields: dict, steps: int, grads: list) -> list:
     compute_s = compute_seconds(runs)
     links, cache = {link: Link.from_rate(link) for link in LINKS}, {}
-    ms = {(label, link): step_ms(fields[label][0], compute_s, links[link], grads, cache)
+    ms = {(label, link): pace(fields[label][0], compute_s, links[link], grads, cache)
           for label in runs for link in LINKS}
     reference = next(label for label in runs if label.startswith("diloco") and label.endswith("sparseloco"))
-    horizon = {link: steps * ms[reference, link] / 1e3 for link in LINKS}  # seconds
+    horizon = {link: ms[reference, link].seconds_for(steps) for link in LINKS}
     tokens = steps * BASE["batch_size"] * BASE["workers"] * BASE["seq_len"]
     lines = [f"Compute per inner step (median local step, 2 workers on this machine): {1e3 * compute_s:.1f} ms. "
              f"Equal wall-clock: the projected time `{reference}` needs for {steps} steps: "
@@ -218,13 +259,17 @@ def main_table(runs: dict, fields: dict, steps: int, grads: list) -> list:
     for label, seeds in runs.items():
         per_token = BASE["batch_size"] * seeds[0]["summary"]["workers"] * BASE["seq_len"]
         cells = [_pm([loss_at_step(r, steps) for r in seeds]), _pm([loss_at_step(r, tokens // per_token) for r in seeds])]
-        cells += [_pm([loss_within(r, 1e3 * horizon[link] / ms[label, link]) for r in seeds]) for link in LINKS]
+        cells += [_pm([loss_within(r, ms[label, link].steps_within(horizon[link])) for r in seeds]) for link in LINKS]
         kib = statistics.mean(r["summary"]["total_bytes_sent"] / r["summary"]["steps"] / 1024 for r in seeds)
         kib *= seeds[0]["summary"]["workers"] > 1  # a lone worker's gradzip counts what it would send: nothing
         passes = statistics.mean(r["summary"]["passes"] for r in seeds)
         lines.append(f"| {label} | {len(seeds)} | {passes:.2f} | " + " | ".join(cells) + f" | {kib:.1f} | "
-                     + " | ".join(f"{ms[label, link]:.1f}" for link in LINKS) + " |")
+                     + " | ".join(_pace_text(ms[label, link]) for link in LINKS) + " |")
     return lines
+
+
+def _pace_text(p: Pace) -> str:
+    return f"{p.ms:.1f}" + (f" (first {p.warm}: {p.warm_ms:.1f})" if p.warm else "")
 
 
 def grid_table(runs: dict, hs, steps: int) -> list:
@@ -238,6 +283,45 @@ def grid_table(runs: dict, hs, steps: int) -> list:
                      for lr in GRID_LRS]
             lines.append(f"| {h} | {mu:g} | " + " | ".join(cells) + " |")
     return lines
+
+
+# ------------------------------------------------------------------------- the projection, checked
+
+#: Contender -> inner steps on each emulated link: enough for 5 syncs after the first sync period.
+CHECKED = {"dense DDP": 60, "bf16 every step": 60, "powersgd every step": 60, "topk 1% every step": 60,
+           "diloco H=10 averaging": 60, "diloco H=10 sparseloco": 60, "diloco H=10 qsgd 4-bit": 60,
+           "diloco H=50 qsgd 4-bit": 300}
+
+
+def _period(label: str) -> int:
+    """Steps left out at the start of a checked run: its first sync period (DiLoCo), or 5 steps."""
+    return int(label.split("H=")[1].split()[0]) if label.startswith("diloco") else 5
+
+
+def check_links(root: Path, lr: float) -> tuple:
+    """Each CHECKED contender on emulated links (gradzip.netem: a network namespace per worker, tc tbf
+    both ways; root), seed 0: measured ms per inner step against the cost model's projection, both from
+    the same runs' compute (the median local step of the DiLoCo runs here)."""
+    fields = contenders(800, [10, 50])
+    runs = {(label, link): run(root / link, label, fields[label][0], steps, steps, lr, 0, netem=f"rate={link}")
+            for link in LINKS for label, steps in CHECKED.items()}
+    compute_s = statistics.median(s["step_s"] for (label, _), r in runs.items() if label.startswith("diloco")
+                                  for s in r["steps"] if s["bytes_sent"] == 0)
+    grads, cache = _gradients(), {}
+    lines = [f"Measured on emulated links (2 workers, one network namespace each, tbf both ways), seed 0, the "
+             f"steps after the first sync period (first 5 steps for per-step methods); projected by the cost "
+             f"model from these runs' median local step ({1e3 * compute_s:.1f} ms).", "",
+             "| contender | link | steps | measured ms/step | projected ms/step | projected / measured |",
+             "|---|---|---|---|---|---|"]
+    for (label, link), r in runs.items():
+        skip = _period(label)
+        kept = r["steps"][skip:]
+        measured = 1e3 * statistics.mean(s["step_s"] for s in kept)
+        p = pace(fields[label][0], compute_s, Link.from_rate(link), grads, cache)
+        projected = 1e3 * (p.seconds_for(skip + len(kept)) - p.seconds_for(skip)) / len(kept)
+        lines.append(f"| {label} | {link[:-4]} Mbit/s | {len(kept)} | {measured:.1f} | {projected:.1f} | "
+                     f"{projected / measured:.2f} |")
+    return lines, {f"{label} {link}": [r] for (label, link), r in runs.items()}
 
 
 # --------------------------------------------------------------------------------------- running
@@ -312,6 +396,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3, help="lr of --estimate's cells")
     parser.add_argument("--grid", action="store_true", help="the outer lr x momentum x H sweep instead")
     parser.add_argument("--estimate", action="store_true", help="time two 20-step cells, print the cost of both sweeps")
+    parser.add_argument("--check-links", action="store_true",
+                        help="short runs on emulated links (root): measured step times against the projection")
     args = parser.parse_args()
     if args.steps % args.eval_every:
         parser.error("--steps must be a multiple of --eval-every")
@@ -323,7 +409,10 @@ def main() -> None:
              + (" (still at the edge of the lrs tried: widen further)" if at_edge else "") + "; validation loss "
              + ", ".join(f"{k:g}: {v[0]:.3f}" for k, v in sorted(scores.items())) + ".", ""]
     hs = hs_for(args.steps, args.hs)
-    if args.grid:
+    if args.check_links:
+        checked, runs = check_links(root / "links", lr)
+        lines += checked
+    elif args.grid:
         runs = {label: [run(root / "grid", label, f, args.steps, args.eval_every, lr, s) for s in args.grid_seeds]
                 for label, f in grid_cells(hs).items()}
         lines += grid_table(runs, hs, args.steps)
@@ -333,9 +422,11 @@ def main() -> None:
                 for label, (f, n) in fields.items()}
         lines += main_table(runs, fields, args.steps, _gradients())
     passes = sorted({round(r["summary"]["passes"], 2) for seeds in runs.values() for r in seeds})
-    seeds = args.grid_seeds if args.grid else args.seeds
+    seeds = [0] if args.check_links else args.grid_seeds if args.grid else args.seeds
+    why = ("timings of one seed: no loss is compared, so none is claimed" if args.check_links else
+           "one seed: no difference is claimed here" if len(seeds) == 1 else "mean ± std")
     lines = provenance("python3 benchmarks/diloco_gpt.py " + shlex.join(sys.argv[1:]),
-                       ", ".join(map(str, seeds)) + " (dense DDP's lr tuned on seed 0)",
+                       ", ".join(map(str, seeds)) + f" ({why}; dense DDP's lr tuned on seed 0)",
                        "-".join(f"{p:.2f}" for p in passes[::max(1, len(passes) - 1)]), machine()) + lines
     text = "\n".join(lines) + "\n"
     print(text)
