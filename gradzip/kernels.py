@@ -277,13 +277,14 @@ def counter_uniforms(like: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
     kernels against their reference paths.  int32 products wrap modulo 2^32 (two's complement), and the
     right shifts are masked, so this is the unsigned 32-bit hash.
     """
-    x = torch.arange(like.shape[0], dtype=torch.int32, device=like.device) ^ seed
-    x = x ^ ((x >> 16) & 0xFFFF)
-    x = x * 0x7FEB352D
-    x = x ^ ((x >> 15) & 0x1FFFF)
-    x = x * -0x7B935975  # 0x846CA68B as a signed 32-bit integer: the same product modulo 2^32
-    x = x ^ ((x >> 16) & 0xFFFF)
-    return ((x >> 8) & 0xFFFFFF).to(torch.float32) * 2.0**-24
+    # In place where it can be: eagerly, one int32 buffer and one temporary instead of a new one per step.
+    x = torch.arange(like.shape[0], dtype=torch.int32, device=like.device).bitwise_xor_(seed)
+    x.bitwise_xor_((x >> 16).bitwise_and_(0xFFFF))
+    x.mul_(0x7FEB352D)
+    x.bitwise_xor_((x >> 15).bitwise_and_(0x1FFFF))
+    x.mul_(-0x7B935975)  # 0x846CA68B as a signed 32-bit integer: the same product modulo 2^32
+    x.bitwise_xor_((x >> 16).bitwise_and_(0xFFFF))
+    return x.bitwise_right_shift_(8).bitwise_and_(0xFFFFFF).to(torch.float32).mul_(2.0**-24)
 
 
 def uniforms_from(like: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:

@@ -48,10 +48,12 @@ import functools
 import pickle
 import threading
 import warnings
+import weakref
 from typing import Callable, Union
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from . import feedback
 from .collectives import LocalTransport, ThreadGroup, run_lockstep, simulate
@@ -64,7 +66,7 @@ from .state import GradzipState
 __all__ = ["check_compressor", "CHECKS", "DTYPES", "SHAPES", "WIRE_SHAPES", "odd_inputs", "grads", "factory_of",
            "check_round_trip", "check_wire_bytes", "check_error_feedback", "check_ranks_agree", "check_odd_inputs",
            "check_nonfinite", "check_state_dict", "check_reuse", "check_distributed",
-           "OpCounter", "ExchangeCount", "ExchangeCounts", "count_exchanges", "HOST_READ_OPS"]
+           "OpCounter", "MemoryCounter", "ExchangeCount", "ExchangeCounts", "count_exchanges", "HOST_READ_OPS"]
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 SHAPES = ((64, 40), (1000,), (6, 5, 3, 3))
@@ -667,6 +669,51 @@ class OpCounter(TorchDispatchMode):
             return super().__exit__(*exc_info)
         finally:
             _unpatch_methods()
+
+
+class MemoryCounter(TorchDispatchMode):
+    """Bytes of the storages that operations dispatched inside the block (on the thread that enters it)
+    allocate, while a tensor on them lives: ``peak`` is the most alive at once, ``live`` what is alive
+    now.  Storages that existed before (an operation's inputs, in-place results) do not count.  Exact, not
+    sampled: what the same code would ask a GPU's caching allocator for, before its rounding.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._tensors: collections.Counter = collections.Counter()  # storage address -> live tensors on it
+        self._sizes: dict[int, int] = {}
+        self._lock = threading.Lock()  # a finaliser may run on another thread
+
+    def _release(self, address: int) -> None:
+        with self._lock:
+            self._tensors[address] -= 1
+            if not self._tensors[address]:
+                del self._tensors[address]
+                self.live -= self._sizes.pop(address)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        inputs = {t.untyped_storage().data_ptr() for t in _tensors_in((args, kwargs))}
+        out = func(*args, **kwargs)
+        for t in _tensors_in(out):
+            storage = t.untyped_storage()
+            address, nbytes = storage.data_ptr(), storage.nbytes()
+            with self._lock:
+                if nbytes == 0 or (address in inputs and address not in self._sizes):
+                    continue
+                if address not in self._sizes:
+                    self._sizes[address] = nbytes
+                    self.live += nbytes
+                    self.peak = max(self.peak, self.live)
+                self._tensors[address] += 1
+            weakref.finalize(t, self._release, address)
+        return out
+
+
+def _tensors_in(tree) -> list:
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
 
 
 class ExchangeCount:

@@ -90,8 +90,25 @@ class BucketLayout:
                                     lengths=self.lengths, unsafe=True)
 
     def per_element(self, per_tensor: torch.Tensor) -> torch.Tensor:
-        """A per-tensor quantity repeated over each tensor's elements: a flat tensor of ``numel``."""
-        return per_tensor.repeat_interleave(self.lengths, output_size=self.numel)
+        """A per-tensor quantity repeated over each tensor's elements: a flat tensor of ``numel``.
+
+        Gathered by each element's tensor index, an int32 cumulative sum of the tensors' starts:
+        ``repeat_interleave`` would build an int64 index (two copies of a float32 bucket) for it."""
+        index = torch.zeros(self.numel, dtype=torch.int32, device=self.device)
+        starts, counts = self._later_starts
+        index.index_add_(0, starts, counts).cumsum_(0)
+        return per_tensor.index_select(0, index)
+
+    @functools.cached_property
+    def _later_starts(self) -> tuple:
+        """Where the tensors after the first start (those that start at the same element, empty ones,
+        counted together; none at the end), and how many start there."""
+        starts: dict[int, int] = {}
+        for offset in self.offsets[1:]:
+            if offset < self.numel:
+                starts[offset] = starts.get(offset, 0) + 1
+        return (torch.tensor(list(starts), dtype=torch.int64, device=self.device),
+                torch.tensor(list(starts.values()), dtype=torch.int32, device=self.device))
 
     def chunk_lengths(self, size: int) -> torch.Tensor:
         """The lengths of the chunks of ``size`` elements each tensor is cut into (its last one shorter,
