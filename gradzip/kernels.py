@@ -30,7 +30,7 @@ import torch
 
 __all__ = ["MIN_NUMEL", "LARGE_NUMEL", "UNROLL_RANKS", "KERNELS", "Kernel", "fused", "enabled", "enabled_over_ranks",
            "pack_codes", "unpack_codes", "packs_from_bytes", "pack_bytes",
-           "repeat_each", "counter_uniforms", "uniforms_from"]
+           "repeat_each", "counter_uniforms", "lowbias32_", "uniforms_from"]
 
 #: The smallest tensor (elements) that takes a fused path: QSGD saves about 35 passes over 2^20
 #: elements, some 15 ms a step here, which repays a 5 s compile in a few hundred steps.
@@ -274,17 +274,28 @@ def counter_uniforms(like: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
     A counter-based generator: each draw is a function of its index and the seed alone, so a fused
     kernel makes its draws in registers instead of reading a buffer that ``torch.rand`` wrote (some
     eight passes over memory for 25M fp32 draws on a CPU).  The same code runs eagerly, slowly, to test
-    kernels against their reference paths.  int32 products wrap modulo 2^32 (two's complement), and the
-    right shifts are masked, so this is the unsigned 32-bit hash.
+    kernels against their reference paths.
     """
     # In place where it can be: eagerly, one int32 buffer and one temporary instead of a new one per step.
-    x = torch.arange(like.shape[0], dtype=torch.int32, device=like.device).bitwise_xor_(seed)
-    x.bitwise_xor_((x >> 16).bitwise_and_(0xFFFF))
-    x.mul_(0x7FEB352D)
-    x.bitwise_xor_((x >> 15).bitwise_and_(0x1FFFF))
-    x.mul_(-0x7B935975)  # 0x846CA68B as a signed 32-bit integer: the same product modulo 2^32
-    x.bitwise_xor_((x >> 16).bitwise_and_(0xFFFF))
-    return x.bitwise_right_shift_(8).bitwise_and_(0xFFFFFF).to(torch.float32).mul_(2.0**-24)
+    x = lowbias32_(torch.arange(like.shape[0], dtype=torch.int32, device=like.device).bitwise_xor_(seed))
+    x.bitwise_right_shift_(8).bitwise_and_(0xFFFFFF)
+    if torch.compiler.is_compiling():  # a fused kernel keeps x in registers: nothing to save
+        return x.to(torch.float32).mul_(2.0**-24)
+    # Eagerly, converted into x's own memory (each element read and written at its own address, 4 bytes
+    # either way), so that drawing for a whole bucket peaks at two int32 copies, not three.
+    return x.view(torch.float32).copy_(x).mul_(2.0**-24)
+
+
+def lowbias32_(x: torch.Tensor, scratch: torch.Tensor = None) -> torch.Tensor:
+    """C. Wellons' lowbias32 integer hash of the int32 ``x``, in place (returns ``x``); ``scratch``, an
+    int32 tensor of x's shape, takes the shifted copies (default: one temporary).  int32 products wrap
+    modulo 2^32 (two's complement) and the right shifts are masked, so this is the unsigned hash."""
+    scratch = torch.empty_like(x) if scratch is None else scratch
+    for shift, mask, factor in ((16, 0xFFFF, 0x7FEB352D), (15, 0x1FFFF, -0x7B935975), (16, 0xFFFF, None)):
+        x.bitwise_xor_(torch.bitwise_right_shift(x, shift, out=scratch).bitwise_and_(mask))
+        if factor is not None:
+            x.mul_(factor)  # -0x7B935975 is 0x846CA68B as a signed 32-bit integer: the same product mod 2^32
+    return x
 
 
 def uniforms_from(like: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import gradzip
+from gradzip import kernels
 from gradzip.compressors import compressors, make
 from gradzip.compressors.bucket import BucketLayout
 from gradzip.state import GradzipState
@@ -447,3 +448,31 @@ def test_auto_on_its_choices_route_keeps_ranks_identical_and_resumes():
         assert (routed, resumed_routed) == (1, 1)  # a resumed auto goes straight to its choice's route
         assert torch.equal(nxt[0], nxt[1])  # and continues bit for bit
         assert all(torch.equal(a, b) for a, b in zip(outs, results[0][0]))
+
+
+@pytest.mark.parametrize("shapes", [[(5, 3), (0,), (7,), (), (4, 4)], [(1,)], [(0,), (3,)], [(33,), (64,), (0,), (31,)]])
+def test_spreading_per_tensor_and_per_chunk_values_over_the_elements(shapes):
+    """per_element and per_chunk (an int32 gather index) equal repeat_interleave by the tensors' and the
+    chunks' lengths, empty tensors and chunk sizes that do and do not divide the tensors included."""
+    layout = BucketLayout([f"t{i}" for i in range(len(shapes))], shapes, torch.float32, torch.device("cpu"))
+    per_tensor = torch.arange(1.0, len(shapes) + 1)
+    assert torch.equal(layout.per_element(per_tensor), per_tensor.repeat_interleave(layout.lengths))
+    for size in (1, 2, 8, 16, 1000):
+        lengths = layout.chunk_lengths(size)
+        per_chunk = torch.arange(1.0, lengths.numel() + 1)
+        assert torch.equal(layout.per_chunk(per_chunk, size), per_chunk.repeat_interleave(lengths)), size
+
+
+def test_lowbias32_is_the_unsigned_hash():
+    """kernels.lowbias32_ against the hash written with Python's unbounded integers."""
+    def reference(v):
+        v ^= v >> 16
+        v = (v * 0x7FEB352D) & 0xFFFFFFFF
+        v ^= v >> 15
+        v = (v * 0x846CA68B) & 0xFFFFFFFF
+        return v ^ (v >> 16)
+    values = [0, 1, 2, 12345, 2**31 - 1, 2**31, 2**32 - 1, 0xDEADBEEF]
+    x = torch.tensor([v - 2**32 if v >= 2**31 else v for v in values], dtype=torch.int32)
+    got = [v & 0xFFFFFFFF for v in kernels.lowbias32_(x.clone()).tolist()]
+    assert got == [reference(v) for v in values]
+    assert torch.equal(kernels.lowbias32_(x.clone(), scratch=torch.empty_like(x)), kernels.lowbias32_(x.clone()))

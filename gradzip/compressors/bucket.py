@@ -3,7 +3,7 @@
 A method that implements :meth:`Compressor.bucket_exchange` computes on the whole flat buffer with a
 number of tensor operations that does not grow with the number of tensors in it: elementwise work runs
 on the flat buffer, per-tensor quantities (a scale, a norm, k) come from segmented reductions
-(:meth:`BucketLayout.segment_sum`) and go back to the elements by one ``repeat_interleave``, and
+(:meth:`BucketLayout.segment_sum`) and go back to the elements by one gather (``per_element``), and
 per-tensor selections run once per *size class* (all tensors of one size stacked as rows).  Its result
 for a bucket equals its per-tensor exchange applied to each tensor, up to the order of float sums.
 
@@ -94,10 +94,25 @@ class BucketLayout:
 
         Gathered by each element's tensor index, an int32 cumulative sum of the tensors' starts:
         ``repeat_interleave`` would build an int64 index (two copies of a float32 bucket) for it."""
+        return self._spread(per_tensor, *self._later_starts)
+
+    def per_chunk(self, per_chunk: torch.Tensor, size: int) -> torch.Tensor:
+        """A per-chunk quantity (chunks as :meth:`chunk_lengths`) repeated over each chunk's elements, as
+        :meth:`per_element`: ``per_chunk.repeat_interleave(chunk_lengths(size))`` by an int32 index."""
+        cached = self.__dict__.setdefault("_chunk_starts", {})
+        if size not in cached:
+            starts = [start for offset, n in zip(self.offsets, self.numels)
+                      for start in range(offset, offset + n, size)]
+            cached[size] = (torch.tensor(starts[1:], dtype=torch.int64, device=self.device),
+                            torch.ones(max(len(starts) - 1, 0), dtype=torch.int32, device=self.device))
+        return self._spread(per_chunk, *cached[size])
+
+    def _spread(self, values: torch.Tensor, later_starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """values[j] over segment j's elements, segment j + 1 starting counts[j] segments on at
+        later_starts[j]: each element's segment number is the int32 cumulative sum of those counts."""
         index = torch.zeros(self.numel, dtype=torch.int32, device=self.device)
-        starts, counts = self._later_starts
-        index.index_add_(0, starts, counts).cumsum_(0)
-        return per_tensor.index_select(0, index)
+        index.index_add_(0, later_starts, counts).cumsum_(0)
+        return values.index_select(0, index)
 
     @functools.cached_property
     def _later_starts(self) -> tuple:
@@ -146,7 +161,8 @@ class BucketContext(StagedContext):
 
     def uniforms(self, n: int, *, shared: bool = True, salt: str = "") -> torch.Tensor:
         """n float32 draws in [0, 1) on the bucket's device (see :meth:`draw_seed`)."""
-        return kernels.counter_uniforms(torch.empty(n, device=self.layout.device), self.draw_seed(shared=shared, salt=salt))
+        like = torch.empty((), device=self.layout.device).expand(n)  # only its length is read: no n-element buffer
+        return kernels.counter_uniforms(like, self.draw_seed(shared=shared, salt=salt))
 
 
 def pack_signs(x: torch.Tensor) -> torch.Tensor:

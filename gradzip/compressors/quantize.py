@@ -418,27 +418,28 @@ class QSGD(GatheredCompressor):
         else:
             norms = _segment(ratio, "max", lengths)
         scale = torch.where(norms > 0, s / norms, 0.0)  # s / ||v|| per chunk
-        ratio.mul_(scale.repeat_interleave(lengths, output_size=n))  # |v_i| s / ||v||, in [0, s]
+        ratio.mul_(layout.per_chunk(scale, self.bucket_size))  # |v_i| s / ||v||, in [0, s]
         up = b.uniforms(n, shared=False, salt="qsgd") < torch.frac(ratio)
         # Integer clamp: float rounding may push the ratio a hair above s (and NaN becomes 0 here).
         codes = ratio.floor_().add_(up).to(torch.int32).clamp_(0, s).mul_(2).add_(p < 0)
         packed = _pack_codes(codes, self._bits)
+        del ratio, up, codes  # bucket-sized: not to be held across the allgather and the decoding
         gathered = yield AllGather((norms, packed))
         total = None
         for fields in gathered:  # rank order: the same floats on every rank
-            value = self._bucket_decoded(fields, lengths, n)
+            value = self._bucket_decoded(fields, layout)
             total = value if total is None else total.add_(value)
         # |Q_i| <= ||v||: the mean is at most the sum over ranks of each one's largest norm
         bound = torch.stack([f[0].abs().amax() for f in gathered]).sum() if norms.numel() else None
-        return Exchanged(total.div_(b.world_size), lambda: self._bucket_decoded((norms, packed), lengths, n),
+        return Exchanged(total.div_(b.world_size), lambda: self._bucket_decoded((norms, packed), layout),
                          bound=bound)
 
-    def _bucket_decoded(self, fields, lengths: torch.Tensor, n: int) -> torch.Tensor:
+    def _bucket_decoded(self, fields, layout) -> torch.Tensor:
         """Q of one rank's bucket payload: (sign * xi) * (||v|| / s), flat float32."""
         norms, packed = fields
-        codes = _unpack_codes(packed, self._bits, n)
+        codes = _unpack_codes(packed, self._bits, layout.numel)
         value = (codes >> 1).float().mul_((codes & 1).float().mul_(-2).add_(1))  # 0 with the sign bit: -0.0
-        return value.mul_((norms.float() / self.levels).repeat_interleave(lengths, output_size=n))
+        return value.mul_(layout.per_chunk(norms.float() / self.levels, self.bucket_size))
 
     def bucket_payload_bytes(self, layout):
         chunks = sum(math.ceil(n / self.bucket_size) for n in layout.numels)
@@ -596,15 +597,18 @@ class TernGrad(Compressor):
         if self.clip is not None:
             sigma = layout.segment_sum(p.square()).div_(layout.lengths.clamp(min=1)).sqrt_()
             bound = layout.per_element(sigma.mul_(self.clip))
-            g = torch.clamp(p, -bound, bound)
+            g = torch.clamp(p, max=bound).clamp_(min=bound.neg_())  # bound >= 0: clamp(p, -bound, bound)
+            del bound
         s_local = _segment(g.abs(), "max", layout.lengths)
         s = yield AllReduce(s_local, op="max")
-        scale = layout.per_element(s)
-        # s == 0 means g == 0 in that tensor: the clamp turns 0/0 into probability 0 instead of NaN.
-        up = b.uniforms(n, shared=False, salt="terngrad") < g.abs().div_(scale.clamp_min(torch.finfo(torch.float32).tiny))
+        # s == 0 means g == 0 in that tensor: the clamp turns 0/0 into probability 0 instead of NaN (and
+        # the trits there are 0, so the aggregate, t * tiny, is still 0).
+        scale = layout.per_element(s.clamp_min(torch.finfo(torch.float32).tiny))
+        up = b.uniforms(n, shared=False, salt="terngrad") < g.abs().div_(scale)
         # t + 1 = 1 - up + 2 (up and g > 0), in {0, 1, 2}
         codes = (g > 0).logical_and_(up).to(torch.uint8).mul_(2).add_(1).sub_(up.to(torch.uint8))
         packed = _pack_codes(codes, 2)
+        del g, up, codes  # bucket-sized: not to be held across the allgather and the decoding
         gathered = yield AllGather((packed,))
         total = None
         for (got,) in gathered:  # trits in {-1, 0, 1}: exact sums
@@ -629,13 +633,18 @@ def _natural_encode(flat, draws):
 def _natural_codes(flat, u):
     """Natural compression's uint8 codes of the contiguous float32 ``flat`` given a uniform u_i per
     element, read off the fp32 bit pattern: the same codes as :meth:`Natural.compress`."""
+    # In place where it can be: run eagerly (the bucket route on a CPU) each new temporary is a bucket's
+    # worth of memory; in a fused kernel it costs nothing either way.
     bits = flat.view(torch.int32)
-    biased = (bits >> 23) & 0xFF
+    biased = (bits >> 23).bitwise_and_(0xFF)
     tiny = biased < 64
-    p = torch.where(tiny, flat.abs() * 2.0**63, (bits & 0x7FFFFF).to(torch.float32) * 2.0**-23)
-    e = ((biased - 63).clamp(min=0) + (u < p).to(torch.int32)).clamp(max=127)
-    negative = ((bits < 0) & (e > 0)).to(torch.int32)
-    return torch.where(biased == 0xFF, Natural._NONFINITE, e | (negative << 7)).to(torch.uint8)
+    p = (bits & 0x7FFFFF).to(torch.float32).mul_(2.0**-23)
+    torch.where(tiny, flat.abs().mul_(2.0**63), p, out=p)
+    up = u < p
+    del p, u, tiny
+    e = (biased - 63).clamp_(min=0).add_(up).clamp_(max=127)
+    e.bitwise_or_((bits < 0).logical_and_(e > 0).to(torch.int32).bitwise_left_shift_(7))
+    return e.masked_fill_(biased == 0xFF, Natural._NONFINITE).to(torch.uint8)
 
 
 @kernels.fused

@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from .. import kernels
 from .base import AllReduce, Compressor, Exchanged, TensorContext, _stable_hash, check_ratio, workspace, zeroed
 from .registry import register
 from .sparse import top_k
@@ -58,7 +59,7 @@ def row_seeds(seed: int, crcs: torch.Tensor, step: int, rows: int) -> torch.Tens
 def sketch_draws(positions: torch.Tensor, seeds: torch.Tensor, cols, buffer=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Bucket hashes h (int64, in [0, cols)) and signs s (float32, +-1) of the int32 ``positions`` in
     their tensor under the int32 ``seeds`` (broadcast against them: one per hash row): the top 24 bits
-    of lowbias32(i xor seed) (as :func:`gradzip.kernels.counter_uniforms`) scaled to [0, cols), and
+    of :func:`gradzip.kernels.lowbias32_` (i xor seed) (as :func:`gradzip.kernels.counter_uniforms`) scaled to [0, cols), and
     its lowest bit as the sign (1: +1).  ``cols`` a number or an int64 tensor broadcast likewise.
     ``buffer(name, shape, dtype)`` gives the memory of the results, "buckets" and "signs", and of the
     hash, "signed" (default: fresh tensors), all written in place: a fresh (rows, n) tensor costs a CPU
@@ -67,11 +68,7 @@ def sketch_draws(positions: torch.Tensor, seeds: torch.Tensor, cols, buffer=None
     shape = torch.broadcast_shapes(positions.shape, seeds.shape)
     buffer = buffer or (lambda name, shape, dtype: torch.empty(shape, dtype=dtype, device=positions.device))
     x, t = (buffer(name, shape, torch.float32).view(torch.int32) for name in ("signed", "signs"))
-    torch.bitwise_xor(positions, seeds, out=x)
-    for shift, mask, factor in ((16, 0xFFFF, 0x7FEB352D), (15, 0x1FFFF, -0x7B935975), (16, 0xFFFF, None)):
-        x ^= torch.bitwise_right_shift(x, shift, out=t).bitwise_and_(mask)
-        if factor is not None:
-            x *= factor  # int32 products wrap modulo 2^32: the unsigned 32-bit hash
+    kernels.lowbias32_(torch.bitwise_xor(positions, seeds, out=x), scratch=t)
     buckets = buffer("buckets", shape, torch.int64).copy_(torch.bitwise_right_shift(x, 8, out=t).bitwise_and_(0xFFFFFF))
     signs = buffer("signs", shape, torch.float32).copy_(x.bitwise_and_(1))
     return buckets.mul_(cols).bitwise_right_shift_(24), signs.mul_(2).sub_(1)

@@ -573,20 +573,22 @@ class RandomK(SharedSparsifier):
 
     def bucket_exchange(self, p, b):
         """Per tensor the same k = ceil(ratio * n) positions on every rank: the k largest of n uniform
-        keys drawn by counter, shared by the ranks (``b.uniforms(shared=True)``; one draw and one topk
-        per size class), so every k-subset is equally likely (up to ties among the keys, which lie on
+        keys drawn by counter, shared by the ranks (``b.uniforms(shared=True)``: one draw for the bucket,
+        one topk per size class), so every k-subset is equally likely (up to ties among the keys, which lie on
         a 2^-24 grid).  The values (times n / k if unbiased) are allreduced as in :meth:`exchange`,
         divided by N before a 16-bit cast.  Wire: the bucket's K values, no index."""
         layout, vdtype = b.layout, self._vdtype or b.layout.dtype
         pre = b.world_size if vdtype.itemsize == 2 else 1
         positions, values = [], []
+        keys, used = b.uniforms(layout.numel, shared=True, salt="randomk"), 0  # one draw: a class each its slice
         for size in layout.classes:
-            k = math.ceil(self.ratio * size.numel)
-            keys = b.uniforms(len(size.members) * size.numel, shared=True, salt=f"randomk/{size.numel}")
-            idx = keys.view(-1, size.numel).topk(k, dim=1, sorted=False).indices.add_(size.starts.view(-1, 1)).view(-1)
+            k, drawn = math.ceil(self.ratio * size.numel), len(size.members) * size.numel
+            rows, used = keys[used:used + drawn].view(-1, size.numel), used + drawn
+            idx = rows.topk(k, dim=1, sorted=False).indices.add_(size.starts.view(-1, 1)).view(-1)
             scale = size.numel / k if self.unbiased else 1.0
             positions.append(idx)
             values.append(_times(p.index_select(0, idx), scale / pre))
+        del keys, rows  # a bucket's worth of draws, not to be held across the allreduce
         idx = torch.cat(positions) if positions else torch.empty(0, dtype=torch.int64, device=p.device)
         payload = wire_cast(torch.cat(values) if values else p.new_empty(0), vdtype, self.saturates, summed=pre)
         total = yield AllReduce(payload)
@@ -747,13 +749,14 @@ class GradientDropping(MaskedBucket, Sparsifier):
     def bucket_mask(self, p, b):
         """|p_i| >= t (and > 0) with t per tensor the keep-th largest of its sample as in :meth:`select`,
         keep = s - floor(R s) for a sample of s: per size class, each row's strided sample from a start
-        drawn by counter for each rank (``b.uniforms(shared=False)``), one topk of the samples.  The
-        exchange and its one host read: :class:`MaskedBucket`."""
+        drawn by counter for each rank (``b.uniforms(shared=False)``, once for the bucket), one topk of the
+        samples.  The exchange and its one host read: :class:`MaskedBucket`."""
         layout, stride = b.layout, max(1, round(1 / self.sample_ratio))
         thresholds = torch.zeros(len(layout), dtype=torch.float32, device=p.device)
+        draws, used = b.uniforms(len(layout), shared=False, salt="dropping"), 0  # one draw: a class each its slice
         for size in layout.classes:
-            n, span = size.numel, min(stride, size.numel)
-            starts = b.uniforms(len(size.members), shared=False, salt=f"dropping/{n}").mul_(span).long().clamp_(max=span - 1)
+            n, span, m = size.numel, min(stride, size.numel), len(size.members)
+            starts, used = draws[used:used + m].mul(span).long().clamp_(max=span - 1), used + m
             width = -(-n // stride)  # the longest sample: from start 0
             columns = starts.view(-1, 1) + stride * torch.arange(width, device=p.device)
             outside = columns >= n
