@@ -21,7 +21,7 @@ import torch
 from .. import kernels
 from .base import StagedContext, _stable_hash
 
-__all__ = ["BucketLayout", "BucketContext", "SizeClass", "pack_signs", "unpack_signs"]
+__all__ = ["BucketLayout", "BucketContext", "SizeClass", "pack_signs", "unpack_signs", "signed_", "bits_of"]
 
 
 @dataclass(frozen=True)
@@ -174,10 +174,20 @@ def pack_signs(x: torch.Tensor) -> torch.Tensor:
     return (bits.view(-1, 8) << _shifts(x.device)).sum(dim=1, dtype=torch.uint8)
 
 
+def signed_(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """``x * unpack_signs(packed, x.numel())`` into the flat float ``x`` (returned), the +-1 as int8:
+    a quarter of a float32 temporary.  Exact, -0.0 included, as the product with float +-1."""
+    return x.mul_(bits_of(packed, x.numel()).to(torch.int8).mul_(2).sub_(1))
+
+
 def unpack_signs(packed: torch.Tensor, n: int) -> torch.Tensor:
     """Inverse of :func:`pack_signs`: n float32 values +1.0 (bit 1) or -1.0 (bit 0)."""
-    bits = ((packed.unsqueeze(1) >> _shifts(packed.device)) & 1).view(-1)[:n]
-    return bits.to(torch.float32).mul_(2).sub_(1)  # exact: 2b - 1
+    return bits_of(packed, n).to(torch.float32).mul_(2).sub_(1)  # exact: 2b - 1
+
+
+def bits_of(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The first n bits of ``packed`` (little-endian within each byte), one uint8 0 or 1 each."""
+    return ((packed.unsqueeze(1) >> _shifts(packed.device)) & 1).view(-1)[:n]
 
 
 @functools.lru_cache(maxsize=8)

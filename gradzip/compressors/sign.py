@@ -29,7 +29,7 @@ import torch
 
 from .. import kernels
 from ..bits import pack_bits, packed_nbytes, select, unpack_bits
-from .bucket import SizeClass, pack_signs, unpack_signs
+from .bucket import SizeClass, bits_of, pack_signs, signed_, unpack_signs
 from .base import (AllGather, Exchanged, GatheredCompressor, TensorContext, chunked_sum, column_counts, compare,
                    packed_codes, times_scale, workspace)
 from .registry import register
@@ -283,7 +283,7 @@ def _trit_vote_planes(out, inv_powers, scale, *packed):
 
 def _scaled_signs(scales: torch.Tensor, packed: torch.Tensor, layout) -> torch.Tensor:
     """One rank's per-tensor scale times the +-1 signs of its packed bits, over the whole bucket (flat)."""
-    return unpack_signs(packed, layout.numel).mul_(layout.per_element(scales))
+    return signed_(layout.per_element(scales), packed)
 
 
 def _bits_bytes(ctx: TensorContext) -> int:
@@ -399,8 +399,10 @@ class OneBit(GatheredCompressor):
         gathered = yield AllGather((means, pack_signs(p)))
 
         def decoded(fields):
-            pos_mean, neg_mean = torch.index_select(fields[0].view(2, columns), 1, index)
-            return torch.where(unpack_signs(fields[1], layout.numel) > 0, pos_mean, neg_mean)
+            # One gather from the (a_j, b_j) pairs, at 2 j + 1 - bit: a bucket's floats once, not three times.
+            pairs = fields[0].view(2, columns).t().reshape(-1)
+            at = index.mul(2).add_(1).sub_(bits_of(fields[1], layout.numel))
+            return pairs.index_select(0, at)
 
         total = decoded(gathered[0])
         for fields in gathered[1:]:  # rank order, as exchange() adds the decoded tensors
@@ -532,6 +534,11 @@ class _SignVote(GatheredCompressor):
         codes = encode_trits(y) if self.ternary else pack_signs(y)
         scales = layout.segment_sum(y.abs()).div_(layout.lengths.clamp(min=1)) if self.scaled else None
         gathered = yield AllGather((codes,) if scales is None else (scales, codes))
+        if scales is not None:  # spread over the elements before the vote exists: one bucket copy less at once
+            s = gathered[0][0].clone()
+            for fields in gathered[1:]:  # rank order, as exchange() sums the scales
+                s += fields[0]
+            spread = layout.per_element(s.div_(b.world_size))
         if self.ternary:
             vote = vote_of_trits([f[-1] for f in gathered], (n,), torch.empty(n, dtype=torch.float32, device=p.device))
         else:  # sum_r (+-1) is an exact integer: its sign is the majority
@@ -541,11 +548,7 @@ class _SignVote(GatheredCompressor):
             vote.sign_()
         bound = torch.ones((), device=p.device)  # votes are -1, 0 or +1: |s V| <= max_i |s_i|
         if scales is not None:
-            s = gathered[0][0].clone()
-            for fields in gathered[1:]:  # rank order, as exchange() sums the scales
-                s += fields[0]
-            s.div_(b.world_size)
-            vote.mul_(layout.per_element(s))
+            vote.mul_(spread)
             bound = s.abs().amax()  # NaN propagates: a non-finite input poisons the step
         own = gathered[b.rank]
         return Exchanged(vote, lambda: self._bucket_sent(own, layout), bound=bound)
@@ -553,8 +556,10 @@ class _SignVote(GatheredCompressor):
     def _bucket_sent(self, fields, layout) -> torch.Tensor:
         """This rank's contribution as the receivers read it, s_ri * sign(y_r) (or sign(y_r)), flat."""
         codes, n = fields[-1], layout.numel
-        signs = decode_trits(codes, n).float() if self.ternary else unpack_signs(codes, n)
-        return signs.mul_(layout.per_element(fields[0])) if self.scaled else signs
+        if self.ternary:
+            signs = decode_trits(codes, n).float()
+            return signs.mul_(layout.per_element(fields[0])) if self.scaled else signs
+        return signed_(layout.per_element(fields[0]), codes) if self.scaled else unpack_signs(codes, n)
 
     def bucket_payload_bytes(self, layout):
         n = layout.numel

@@ -766,7 +766,9 @@ class GradientDropping(MaskedBucket, Sparsifier):
             top = sample.topk(width - math.floor(self.drop_ratio * width), dim=1).values  # descending
             thresholds.index_copy_(0, class_members(layout, size), top.gather(1, keep.view(-1, 1) - 1).view(-1))
         info = torch.finfo(torch.float32)
-        return torch.abs(p) >= layout.per_element(thresholds.clamp_min_(info.smallest_normal * info.eps))
+        # The thresholds spread first: their int32 index is freed before |p| is made.
+        spread = layout.per_element(thresholds.clamp_min_(info.smallest_normal * info.eps))
+        return torch.abs(p) >= spread
 
 
 @register
