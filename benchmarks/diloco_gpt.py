@@ -71,7 +71,7 @@ import torch
 
 from gradzip.compressors import make
 from gradzip.costmodel import Link, outer_step_time, profile_method, step_time
-from gradzip.harness.report import machine, provenance
+from gradzip.harness.report import machine, passes_range, provenance
 from gradzip.harness.sweep import bracket_lr
 from gradzip.harness.trainer import TrainConfig, launch
 
@@ -421,13 +421,13 @@ def main() -> None:
         runs = {label: [run(root / "main", label, f, n, args.eval_every, lr, s) for s in args.seeds]
                 for label, (f, n) in fields.items()}
         lines += main_table(runs, fields, args.steps, _gradients())
-    passes = sorted({round(r["summary"]["passes"], 2) for seeds in runs.values() for r in seeds})
     seeds = [0] if args.check_links else args.grid_seeds if args.grid else args.seeds
     why = ("timings of one seed: no loss is compared, so none is claimed" if args.check_links else
            "one seed: no difference is claimed here" if len(seeds) == 1 else "mean ± std")
     lines = provenance("python3 benchmarks/diloco_gpt.py " + shlex.join(sys.argv[1:]),
                        ", ".join(map(str, seeds)) + f" ({why}; dense DDP's lr tuned on seed 0)",
-                       "-".join(f"{p:.2f}" for p in passes[::max(1, len(passes) - 1)]), machine()) + lines
+                       passes_range(r["summary"]["passes"] for seeds in runs.values() for r in seeds),
+                       machine()) + lines
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

@@ -32,3 +32,10 @@ def test_a_page_starts_with_its_provenance(page):
     seeds = next(line for line in head if line.startswith("- Seeds: "))
     if re.match(r"- Seeds: \d+ \(", seeds):  # one seed has no spread: the page must say it claims no difference
         assert "claim" in seeds, f"{page.name}: one seed, and its Seeds line does not say what is not claimed"
+
+
+def test_passes_range_text():
+    from gradzip.harness.report import passes_range
+    assert passes_range([2.0, 2.0001, None]) == "2.00"
+    assert passes_range([0.32, 0.16, 0.2]) == "0.16-0.32"
+    assert passes_range([None]) == passes_range([]) == "not recorded"

@@ -23,7 +23,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Optional
 
-from ..harness.report import machine, provenance
+from ..harness.report import machine, passes_range, provenance
 from ..harness.trainer import TrainConfig, launch
 
 LINKS = ("rate=100mbit", "rate=1gbit", "rate=10gbit", "unthrottled")
@@ -164,9 +164,8 @@ def table(results: list[Result], steps: int, workers: int, command: Optional[str
     """Markdown: per link, each contender's epoch time and accuracy, and its speed against dense and the limit
     (with several repeats: medians, and each ratio's median and range over the repeats)."""
     repeats = len({r.repeat for r in results})
-    passes = sorted({round(r.passes, 2) for r in results if r.passes is not None})
     lines = provenance(command, "0 (every run; repeats measure time, and accuracy differences are one seed's)",
-                       "-".join(f"{p:.2f}" for p in passes[::max(1, len(passes) - 1)]) or "not recorded", machine())
+                       passes_range(r.passes for r in results), machine())
     lines += [f"{workers} workers, Fashion-MNIST CNN, batch 32 per worker, {steps} steps per 'epoch'; test accuracy "
              f"after them (DiLoCo: of its global parameters); KiB/step: sent per worker per (inner) step."
              + (f" Median of {repeats} repeats; ratios within each repeat, then their median (range)."

@@ -241,13 +241,20 @@ def provenance(command: Optional[str], seeds: str, passes: str, machine_text: Op
             f"- Passes over the training data: {passes}", f"- Machine: {machine_text or 'not recorded'}", ""]
 
 
+def passes_range(passes) -> str:
+    """Passes over the training data as the provenance line gives them: "2.00", "0.16-0.32" (the range,
+    to two decimals), or "not recorded" where no run recorded them (None)."""
+    passes = sorted({round(p, 2) for p in passes if p is not None})
+    if not passes:
+        return "not recorded"
+    return f"{passes[0]:.2f}" + ("" if len(passes) == 1 else f"-{passes[-1]:.2f}")
+
+
 def _provenance(rows: list, manifest: dict) -> list:
     seeds = sorted({run["seed"] for r in rows for run in r["runs"]})
-    passes = [r["passes"] for r in rows if r["passes"] is not None]
     return provenance(manifest.get("command"),
                       f"{', '.join(map(str, seeds))} (settings with one seed: no difference is claimed)",
-                      "not recorded" if not passes else f"{min(passes):.2f}"
-                      + ("" if max(passes) == min(passes) else f"-{max(passes):.2f}"), manifest.get("machine"))
+                      passes_range(r["passes"] for r in rows), manifest.get("machine"))
 
 
 def beyond_spread(a: dict, b: dict, key: str) -> Optional[bool]:
