@@ -156,3 +156,42 @@ def test_bucket_route_two_ranks_on_one_gpu(name, params):
 
     a, b = run_threads(2, rank_run)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_bucket_draws_by_counter_on_cuda_equal_cpu():
+    """Counter-based draws depend on index and seed alone: CUDA's equal the CPU's bit for bit (the eager
+    path converts in place, each element read and written at its own address)."""
+    from gradzip import kernels
+    for n, seed in ((1, 0), (1000, 7), (3_000_001, 123456789)):
+        cpu = kernels.counter_uniforms(torch.empty(n), torch.tensor(seed, dtype=torch.int32))
+        cuda = kernels.counter_uniforms(torch.empty(n, device="cuda"),
+                                        torch.tensor(seed, dtype=torch.int32, device="cuda"))
+        assert torch.equal(cuda.cpu(), cpu), n
+
+
+@pytest.mark.parametrize("name, params", [c for c in _bucketed_cases()],
+                         ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}={x}" for k, x in v.items()) or "default")
+def test_bucket_route_on_cuda_equals_on_cpu(name, params):
+    """The bucket route on CUDA and on CPU from the same state: random draws are by counter, so even the
+    random methods agree, up to float-sum order (a stochastic rounding that a last-bit difference flips
+    may differ: at most 0.1% of the elements)."""
+    from gradzip.compressors import make
+    from gradzip.state import GradzipState
+
+    from ..test_buckets import _same_starting_state
+    if not make(name).bucketed:
+        pytest.skip("per-tensor route")
+    on_cpu = GradzipState(name, bucketed=True, **params)
+    on_cuda = GradzipState(name, bucketed=True, **params)
+    _same_starting_state((on_cpu, on_cuda), torch.float32)
+    for slot in on_cuda.tensors.values():
+        for key in slot:
+            slot[key] = slot[key].cuda()
+    for step in range(3):
+        named = _cuda_bucket(step)
+        want = on_cpu.exchange([(k, g.cpu()) for k, g in named])
+        got = on_cuda.exchange(named, out=[g for _, g in named])
+        for g, w in zip(got, want):
+            close = torch.isclose(g.cpu(), w, rtol=1e-4, atol=1e-4, equal_nan=True)
+            differ = int((~close).sum())
+            assert differ <= 0.001 * close.numel(), f"{name} step {step}: {differ} of {close.numel()} differ"
