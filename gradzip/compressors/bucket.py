@@ -94,7 +94,12 @@ class BucketLayout:
 
         Gathered by each element's tensor index, an int32 cumulative sum of the tensors' starts:
         ``repeat_interleave`` would build an int64 index (two copies of a float32 bucket) for it."""
-        return self._spread(per_tensor, *self._later_starts)
+        return per_tensor.index_select(0, self.segment_index())
+
+    def segment_index(self) -> torch.Tensor:
+        """Each element's tensor (int32, over the bucket), for spreading several per-tensor quantities
+        with one index (``values.index_select(0, index)``, as :meth:`per_element`)."""
+        return self._index(*self._later_starts)
 
     def per_chunk(self, per_chunk: torch.Tensor, size: int) -> torch.Tensor:
         """A per-chunk quantity (chunks as :meth:`chunk_lengths`) repeated over each chunk's elements, as
@@ -105,14 +110,13 @@ class BucketLayout:
                       for start in range(offset, offset + n, size)]
             cached[size] = (torch.tensor(starts[1:], dtype=torch.int64, device=self.device),
                             torch.ones(max(len(starts) - 1, 0), dtype=torch.int32, device=self.device))
-        return self._spread(per_chunk, *cached[size])
+        return per_chunk.index_select(0, self._index(*cached[size]))
 
-    def _spread(self, values: torch.Tensor, later_starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """values[j] over segment j's elements, segment j + 1 starting counts[j] segments on at
-        later_starts[j]: each element's segment number is the int32 cumulative sum of those counts."""
-        index = torch.zeros(self.numel, dtype=torch.int32, device=self.device)
-        index.index_add_(0, later_starts, counts).cumsum_(0)
-        return values.index_select(0, index)
+    def _index(self, later_starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Each element's segment, int32: the segments after the first start at ``later_starts``,
+        ``counts`` of them there (empty ones start where the next does), so an element's segment is
+        the cumulative sum of the counts up to it."""
+        return torch.zeros(self.numel, dtype=torch.int32, device=self.device).index_add_(0, later_starts, counts).cumsum_(0)
 
     @functools.cached_property
     def _later_starts(self) -> tuple:

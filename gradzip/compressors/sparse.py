@@ -925,11 +925,13 @@ class DGC(MaskedBucket, Sparsifier):
         sample, short = _sorted_samples(absp, plan, b.uniforms(len(layout), shared=False, salt="dgc"))
         lower = sample.take(torch.where(short, plan.ranks_short, plan.ranks_full))  # (retries + 1, tensors)
         thresholds = _retry_thresholds(lower).clamp_min_(_TINY)  # zeros are never sent (see _at_least)
-        counts = _counts_at_least(absp, thresholds, plan)
+        index = layout.segment_index()  # one int32 index spreads every per-tensor quantity below
+        counts = _counts_at_least(absp, thresholds, plan, index)
         first = (counts >= plan.enough).byte().argmax(0, keepdim=True)  # enough is -inf at the last retry
-        candidates = absp >= layout.per_element(thresholds.gather(0, first).view(-1))
-        too_many = counts.gather(0, first).view(-1) > plan.k
-        return torch.where(layout.per_element(too_many), _class_top_k(absp, layout, plan), candidates)
+        candidates = absp >= thresholds.gather(0, first).view(-1).index_select(0, index)
+        too_many = (counts.gather(0, first).view(-1) > plan.k).index_select(0, index)
+        del index
+        return torch.where(too_many, _class_top_k(absp, layout, plan), candidates)
 
     def bucket_payload_bytes(self, layout, kept: Optional[int] = None) -> int:
         whole = sum(n for n, shape in zip(layout.numels, layout.shapes) if not _compressed(shape, self.min_numel))
@@ -977,8 +979,7 @@ class _DGCPlan:
     sample's min(r 2^j, s)-th largest value once sorted, r = ceil(density s), for a sample of s = W
     (full) or W - 1 (short).  ``enough``: per retry and tensor, ceil(lower_bound k) (float64), -inf at
     the last retry (taken when none before passed enough).  ``k``: per tensor, ceil(density n) (float64).
-    ``lengths``: the layout's tensor lengths; ``repeated_lengths``: those repeated R + 1 times (the
-    segments of :func:`_counts_at_least`).
+    ``lengths``: the layout's tensor lengths (the segments of :func:`_counts_at_least`).
     ``classes``: (members, k, starts as a column) of each size class with a compressed tensor.
     ``true``: a 0-d True to write with.
     """
@@ -1009,7 +1010,7 @@ class _DGCPlan:
         self.last_slot = device(last_slot)
         self.ranks_full, self.ranks_short = device(full).T.contiguous(), device(short).T.contiguous()
         self.enough, self.k = device(enough, torch.float64).T.contiguous(), device(ks, torch.float64)
-        self.lengths, self.repeated_lengths = layout.lengths, layout.lengths.repeat(retries + 1)
+        self.lengths = layout.lengths
         self.classes = [(size.members, math.ceil(density * size.numel), size.starts.view(-1, 1))
                         for size in layout.classes
                         if any(_compressed(layout.shapes[i], min_numel) for i in size.members)]
@@ -1055,14 +1056,15 @@ def _retry_thresholds(lower: torch.Tensor) -> torch.Tensor:
     return torch.stack(thresholds)
 
 
-def _counts_at_least(absp: torch.Tensor, thresholds: torch.Tensor, plan: _DGCPlan) -> torch.Tensor:
+def _counts_at_least(absp: torch.Tensor, thresholds: torch.Tensor, plan: _DGCPlan,
+                     index: torch.Tensor) -> torch.Tensor:
     """Per threshold (rows) and tensor (columns), how many of the tensor's elements of ``absp`` are >=
-    it: one comparison of the bucket with every row, and one 1-D segmented sum over the rows laid end
-    to end (float64: exact counts; a 2-D ``segment_reduce`` would loop over each segment in a single
-    CUDA thread, while a 1-D one is CUB's segmented reduction)."""
-    per_element = thresholds.repeat_interleave(plan.lengths, dim=1, output_size=absp.numel())
-    passing = torch.ge(absp, per_element).double()
-    return torch.segment_reduce(passing.view(-1), "sum", lengths=plan.repeated_lengths, unsafe=True).view(thresholds.shape)
+    it: row by row (R + 1 of them: a bucket's worth of memory at a time, not R + 1), each row spread
+    over the elements by ``index`` (:meth:`BucketLayout.segment_index`), compared, and counted by a 1-D
+    segmented sum (float64: exact counts; CUB's segmented reduction on CUDA)."""
+    counts = [torch.segment_reduce(torch.ge(absp, row.index_select(0, index)).double(), "sum",
+                                   lengths=plan.lengths, unsafe=True) for row in thresholds]
+    return torch.stack(counts)
 
 
 def _class_top_k(absp: torch.Tensor, layout, plan: _DGCPlan) -> torch.Tensor:
