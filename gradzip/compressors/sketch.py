@@ -96,8 +96,9 @@ class Sketch(Compressor):
     default) keeps p_r outside K: what was not applied.  The second round is Ivkin et al.'s; FetchSGD's
     one-round unsketching (values read off the sketch, error accumulated in sketch space) is not
     implemented.  The hashes are drawn again every step, so estimation errors do not stick to the same
-    coordinates.  Memory: the hashes, signs and signed values take 16 * R bytes per element (on a CPU
-    kept from one step to the next, as other methods' buffers).  Wire: two allreduces, R * C * 4 + k * 4
+    coordinates.  Memory: tensor by tensor, the hashes, signs and signed values take 16 * R bytes per
+    element (on a CPU kept from one step to the next, as other methods' buffers); on the bucket route, the
+    R rows of estimates and one row's draws, about 4 R + 48 bytes per element, for the exchange alone.  Wire: two allreduces, R * C * 4 + k * 4
     bytes (fp32).  Tensors whose sketch would not be smaller than themselves (R * C >= n) are averaged
     densely and keep no residual.
     """
@@ -159,48 +160,67 @@ class Sketch(Compressor):
     bucketed = True
 
     def bucket_exchange(self, p, b):
-        """As :meth:`exchange` per tensor, size class by size class (the same draws, sketches, medians,
-        top-k and sums): each class's sketches (rows, members, C) from one scatter_add, its estimates'
-        medians over the rows and one topk over its members.  The tensors that are not compressed are
-        averaged densely, in fp32 (x / N summed) with the sketches, and keep no residual.  Wire: two
-        allreduces, (sum of R * C + the dense elements + K) * 4 bytes."""
-        layout, world = b.layout, b.world_size
-        drawn = [(size, self._class_sketch(p, b, size)) for size in layout.classes]
-        sketched = [(size, d) for size, d in drawn if d is not None]
-        dense_at = _positions([size.starts.view(-1, 1) + torch.arange(size.numel, device=p.device)
-                               for size, d in drawn if d is None], p.device)
-        dense_values = p.index_select(0, dense_at)
-        sketches = [d[0] for _, d in sketched]
-        total = yield AllReduce(torch.cat(sketches + [dense_values / world if world > 1 else dense_values]))
-        sums = total.split([sketch.numel() for sketch in sketches] + [dense_values.numel()])
-        chosen = []
-        for summed, (size, (_, buckets, signs)) in zip(sums, sketched):
-            estimate = median_of_rows(summed.gather(0, buckets.view(-1)).view(signs.shape).mul_(signs))
-            k = math.ceil(self.ratio * size.numel)
-            chosen.append(estimate.abs_().topk(k, dim=1, sorted=False).indices.add_(size.starts.view(-1, 1)))
+        """As :meth:`exchange` per tensor (the same draws, sketches, medians, top-k and sums), on the whole
+        bucket one hash row at a time: row j's bucket and sign of every element from its position in its
+        tensor and its tensor's seed, scattered into the bucket's sketches (each tensor its C buckets per
+        row, end to end); after the allreduce each row's estimates gathered the same way, the medians over
+        the rows, and one topk per size class.  The tensors that are not compressed are averaged densely,
+        in fp32 (x / N summed) with the sketches, and keep no residual.  Memory: the R rows of estimates
+        and a row's draws, not every row's draws at once.  Wire: two allreduces, (sum of R * C + the dense
+        elements + K) * 4 bytes."""
+        layout, world, rows = b.layout, b.world_size, self.rows
+        plan = self._plan(layout)
+        if not plan.classes:  # nothing compressed: every tensor averaged densely
+            total = yield AllReduce(p / world if world > 1 else p.clone())
+            return Exchanged(total, sparse=(torch.arange(layout.numel, device=p.device), p), sent_exactly=True)
+        index = layout.segment_index()
+        position = torch.arange(layout.numel, dtype=torch.int32, device=p.device)  # each element's in its tensor
+        position.sub_(plan.offsets.index_select(0, index))
+        cols, base = plan.cols.index_select(0, index), plan.base.index_select(0, index)
+        seeds = row_seeds(b.seed, plan.key_hashes, b.step, rows)  # (rows, tensors)
+        kept = p if plan.dense_at is None else p * plan.compressed.index_select(0, index)  # dense ones add 0
+
+        def row(j):
+            """Row j's sketch slots (int64) and signs (float32 +-1) of every element."""
+            slots, signs = sketch_draws(position, seeds[j].index_select(0, index), cols)
+            return slots.add_(base).add_(j * plan.sum_cols), signs
+
+        sketch = torch.zeros(rows * plan.sum_cols, dtype=torch.float32, device=p.device)
+        for j in range(rows):  # one row's draws alive at a time
+            slots, signs = row(j)
+            sketch.scatter_add_(0, slots, signs.mul_(kept))
+            del slots, signs
+        del kept
+        dense_values = p.index_select(0, plan.dense_at) if plan.dense_at is not None else p.new_zeros(0)
+        total = yield AllReduce(torch.cat([sketch, dense_values / world if world > 1 else dense_values]))
+        summed = total[:sketch.numel()]
+        estimates = torch.empty(rows, layout.numel, dtype=torch.float32, device=p.device)
+        for j in range(rows):
+            slots, signs = row(j)
+            torch.take(summed, slots, out=estimates[j]).mul_(signs)
+            del slots, signs
+        del position, cols, base, index
+        magnitude = median_of_rows(estimates).abs_()
+        chosen = [layout.rows(magnitude, size).topk(k, dim=1, sorted=False).indices.add_(size.starts.view(-1, 1))
+                  for size, k in plan.classes]
+        del estimates, magnitude
         at = _positions(chosen, p.device)
         mine = p.index_select(0, at)
         values = yield AllReduce(mine)
         aggregate = torch.zeros(layout.numel, dtype=torch.float32, device=p.device)
-        aggregate.index_copy_(0, dense_at, sums[-1]).index_copy_(0, at, values / world)
-        return Exchanged(aggregate, sparse=(torch.cat([at, dense_at]), torch.cat([mine, dense_values])),
+        aggregate.index_copy_(0, at, values / world)
+        if plan.dense_at is None:
+            return Exchanged(aggregate, sparse=(at, mine), sent_exactly=True)
+        aggregate.index_copy_(0, plan.dense_at, total[sketch.numel():])
+        return Exchanged(aggregate, sparse=(torch.cat([at, plan.dense_at]), torch.cat([mine, dense_values])),
                          sent_exactly=True)
 
-    def _class_sketch(self, p, b, size):
-        """(the class's sketches flat (rows * members * C), their flat bucket indices (rows, members, n),
-        the signs (rows, members, n)), or None for a class that is not compressed."""
-        k = math.ceil(self.ratio * size.numel)
-        cols = math.ceil(self.width * k)
-        if not (k > 0 and self.rows * cols < size.numel):
-            return None
-        layout, m = b.layout, len(size.members)
-        seeds = row_seeds(b.seed, _key_hashes(layout, size), b.step, self.rows).view(self.rows, m, 1)
-        buckets, signs = sketch_draws(torch.arange(size.numel, dtype=torch.int32, device=p.device), seeds, cols)
-        # each (row, member) its own C buckets: rows * members sketches end to end
-        buckets += (torch.arange(self.rows * m, device=p.device) * cols).view(self.rows, m, 1)
-        signed = signs * layout.rows(p, size)
-        sketch = torch.zeros(self.rows * m * cols, dtype=torch.float32, device=p.device)
-        return sketch.scatter_add_(0, buckets.view(-1), signed.view(-1)), buckets, signs
+    def _plan(self, layout) -> "_SketchPlan":
+        plans = _PLANS.setdefault(layout, {})
+        key = (self.ratio, self.rows, self.width)
+        if key not in plans:
+            plans[key] = _SketchPlan(layout, self.ratio, self.rows, self.width)
+        return plans[key]
 
     def bucket_payload_bytes(self, layout):
         total = 0
@@ -216,13 +236,33 @@ def _positions(parts: list, device: torch.device) -> torch.Tensor:
     return torch.cat([part.reshape(-1) for part in parts]) if parts else torch.empty(0, dtype=torch.int64, device=device)
 
 
-#: Per bucket layout, per size class: its members' key hashes on the device (built once per layout).
-_KEY_HASHES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+class _SketchPlan:
+    """What a bucket's sketch needs that its layout fixes, built once per layout and parameters: per
+    tensor (on the device) its offset, C (0 if not compressed), where its C buckets start in a row
+    (``base``; rows of ``sum_cols``), 1.0 if compressed (``compressed``) and its key's hash; the size
+    classes compressed, with their k; the positions of the tensors averaged densely (None: none)."""
+
+    def __init__(self, layout, ratio: float, rows: int, width: float):
+        device, numels = layout.device, layout.numels
+        ks = [math.ceil(ratio * n) for n in numels]
+        cols = [math.ceil(width * k) for k in ks]
+        compressed = [k > 0 and rows * c < n for n, k, c in zip(numels, ks, cols)]
+        cols = [c if yes else 0 for c, yes in zip(cols, compressed)]
+        self.sum_cols = sum(cols)
+        index_dtype = torch.int32 if rows * self.sum_cols < 2**31 else torch.int64
+        self.offsets = torch.tensor(layout.offsets, dtype=torch.int32, device=device)
+        self.cols = torch.tensor(cols, dtype=torch.int32, device=device)
+        # a dense tensor's elements add 0 (``compressed``) to the first slot of each row: always a real one
+        self.base = torch.tensor([sum(cols[:i]) if yes else 0 for i, yes in enumerate(compressed)], dtype=index_dtype,
+                                 device=device)
+        self.compressed = torch.tensor(compressed, dtype=torch.float32, device=device)
+        self.key_hashes = torch.tensor([_stable_hash(key + "/sketch") for key in layout.keys], dtype=torch.int64,
+                                       device=device)
+        self.classes = [(size, ks[size.members[0]]) for size in layout.classes if compressed[size.members[0]]]
+        dense = [torch.arange(o, o + n, device=device) for o, n, yes in zip(layout.offsets, numels, compressed)
+                 if not yes and n]
+        self.dense_at = torch.cat(dense) if dense else None
 
 
-def _key_hashes(layout, size) -> torch.Tensor:
-    cached = _KEY_HASHES.setdefault(layout, {})
-    if size.numel not in cached:
-        cached[size.numel] = torch.tensor([_stable_hash(layout.keys[i] + "/sketch") for i in size.members],
-                                          dtype=torch.int64, device=layout.device)
-    return cached[size.numel]
+#: Per bucket layout: its sketch plans by (ratio, rows, width).
+_PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
