@@ -653,21 +653,20 @@ def masked_bucket_exchange(p: torch.Tensor, b, passed: torch.Tensor, vdtype: tor
     most = yield AllReduce(own, op="max")
     kept, mine = torch.cat([most, own]).tolist()  # the bucket's one host read: K and this rank's count
     kept_by_bucket[b.layout.keys] = kept
+    exactly = p.dtype == vdtype == torch.float32
+    if _pairs_exceed(kept, n, vdtype.itemsize):  # the bucket's values, zero where not sent: no positions
+        sent = wire_cast(torch.where(passed, p, 0.0), vdtype, saturate)
+        gathered = yield AllGather((sent,))
+        total = torch.zeros(n, dtype=torch.float32, device=p.device)
+        for (got,) in gathered:  # rank order: identical sums on every rank; rank 0's is 0 + v, as in exchange()
+            total += got
+        return Exchanged(total.div_(b.world_size), sent.float, passed, sent_exactly=exactly)
     idx = torch.nonzero_static(passed, size=kept, fill_value=n).view(-1)  # ascending, then the padding
     values = wire_cast(p.index_select(0, idx.clamp(max=n - 1)), vdtype, saturate)
-    dense = _pairs_exceed(kept, n, vdtype.itemsize)
-    if dense:
-        fields = (torch.zeros(n, dtype=vdtype, device=p.device).index_copy_(0, idx[:mine], values[:mine]),)
-    else:
-        fields = (values, idx.to(index_dtype(n + 1)))
-    gathered = yield AllGather(fields)
+    gathered = yield AllGather((values, idx.to(index_dtype(n + 1))))
     total = torch.zeros(n + 1, dtype=torch.float32, device=p.device)
     for got in gathered:  # rank order: identical sums on every rank; rank 0's is 0 + v, as in exchange()
-        if dense:
-            total[:n] += got[0]
-        else:
-            total.index_add_(0, got[1].long(), got[0].float())
-    exactly = p.dtype == vdtype == torch.float32
+        total.index_add_(0, got[1].long(), got[0].float())
     return Exchanged(total[:n].div_(b.world_size), sparse=(idx[:mine], values[:mine].float()), sent_exactly=exactly)
 
 
