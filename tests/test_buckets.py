@@ -476,3 +476,16 @@ def test_lowbias32_is_the_unsigned_hash():
     got = [v & 0xFFFFFFFF for v in kernels.lowbias32_(x.clone()).tolist()]
     assert got == [reference(v) for v in values]
     assert torch.equal(kernels.lowbias32_(x.clone(), scratch=torch.empty_like(x)), kernels.lowbias32_(x.clone()))
+
+
+def test_stacked_rows_are_a_view_where_the_tensors_are_equally_spaced():
+    """BucketLayout.stacked: the same rows as torch.stack, as a view of the flat buffer when the members
+    start at equal distances (one block's tensor in each block), else a copy."""
+    shapes = [(4, 3), (5,), (4, 3), (5,), (4, 3), (2,), (4, 3)]
+    layout = BucketLayout([f"t{i}" for i in range(len(shapes))], shapes, torch.float32, torch.device("cpu"))
+    flat = torch.arange(float(layout.numel))
+    parts = torch.split(flat, layout.numels)
+    for members, view in (([0, 2, 4], True), ([0, 2, 4, 6], False), ([1, 3], True), ([6], True), ([0, 4], True)):
+        rows = layout.stacked(flat, members)
+        assert torch.equal(rows, torch.stack([parts[i] for i in members])), members
+        assert (rows.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()) == view, members

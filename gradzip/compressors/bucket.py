@@ -74,13 +74,19 @@ class BucketLayout:
         return [piece.view(shape) for piece, shape in zip(torch.split(flat, self.numels), self.shapes)]
 
     def rows(self, flat: torch.Tensor, size: SizeClass) -> torch.Tensor:
-        """The tensors of one size class as the rows of a (members, numel) tensor: stacked into a new
-        one, or, for a class of one tensor, a view of ``flat``."""
-        if len(size.members) == 1:
-            start = self.offsets[size.members[0]]
-            return flat[start:start + size.numel].view(1, size.numel)
+        """The tensors of one size class as the rows of a (members, numel) tensor (see :meth:`stacked`)."""
+        return self.stacked(flat, size.members)
+
+    def stacked(self, flat: torch.Tensor, members: Sequence[int]) -> torch.Tensor:
+        """The tensors ``members`` (of one size) as the rows of a (members, numel) tensor: a strided view of
+        the contiguous ``flat`` where they start at equal distances (one tensor; the same layer's tensor
+        in each block of a transformer), else stacked into a new one.  Read it, do not write it."""
+        numel, starts = self.numels[members[0]], [self.offsets[i] for i in members]
+        step = starts[1] - starts[0] if len(starts) > 1 else numel
+        if flat.stride(0) == 1 and step >= numel and all(b - a == step for a, b in zip(starts, starts[1:])):
+            return flat.as_strided((len(members), numel), (step, 1), flat.storage_offset() + starts[0])
         parts = torch.split(flat, self.numels)
-        return torch.stack([parts[i] for i in size.members])
+        return torch.stack([parts[i] for i in members])
 
     def segment_sum(self, values: torch.Tensor) -> torch.Tensor:
         """Per tensor, the float32 sum of its elements of the flat ``values`` (0 for an empty tensor)."""

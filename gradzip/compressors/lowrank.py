@@ -190,7 +190,7 @@ class PowerSGD(Compressor):
         layout, N = b.layout, b.world_size
         classes, dense = self._bucket_plan(layout, b.step)
         pieces = torch.split(p, layout.numels)
-        Ms = [torch.stack([pieces[i] for i in members]).view(-1, n, m) for n, m, r, members in classes]
+        Ms = [layout.stacked(p, members).view(-1, n, m) for n, m, r, members in classes]
         Qs = self._bucket_bases(b, classes)
         Ps = [torch.bmm(M, Q) for M, Q in zip(Ms, Qs)]
         dense_part = torch.cat([pieces[i] for i in dense]).div_(N) if dense else p.new_empty(0)

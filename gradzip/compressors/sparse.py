@@ -1070,9 +1070,8 @@ def _class_top_k(absp: torch.Tensor, layout, plan: _DGCPlan) -> torch.Tensor:
     """Each compressed tensor's k largest of ``absp`` as a bool over the bucket: one ``topk`` over the
     stacked rows of each size class (with a compressed member; the others' rows are left False)."""
     top = torch.zeros(layout.numel, dtype=torch.bool, device=absp.device)
-    parts = absp.split(layout.numels)
     for members, k, starts in plan.classes:
-        rows = torch.stack([parts[i] for i in members]) if len(members) > 1 else parts[members[0]].view(1, -1)
+        rows = layout.stacked(absp, members)
         top.index_put_((rows.topk(k, dim=1, sorted=False).indices.add_(starts),), plan.true)
     return top
 
