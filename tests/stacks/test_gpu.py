@@ -72,6 +72,14 @@ def _bucketed_cases():
 DATA_SIZED = {"threshold", "dropping", "adaptive_threshold", "dgc"}
 
 
+def _state_to_cuda(*states) -> None:
+    """Every tensor of the states' per-tensor slots moved to the GPU (their starting state made on CPU)."""
+    for state in states:
+        for slot in state.tensors.values():
+            for key in slot:
+                slot[key] = slot[key].cuda()
+
+
 def _cuda_bucket(seed: int, dtype=torch.float32):
     from ..test_buckets import SHAPES
     gen = torch.Generator().manual_seed(seed)
@@ -125,10 +133,7 @@ def test_bucket_route_against_per_tensor_on_cuda(name, params):
     bucketed = GradzipState(name, bucketed=True, **params)
     reference = GradzipState(name, bucketed=False, **params)
     _same_starting_state((bucketed, reference), torch.float32)
-    for state in (bucketed, reference):
-        for slot in state.tensors.values():
-            for key in slot:
-                slot[key] = slot[key].cuda()
+    _state_to_cuda(bucketed, reference)
     for step in range(3):
         named = _cuda_bucket(step)
         want = reference.exchange([(k, g.clone()) for k, g in named])
@@ -184,9 +189,7 @@ def test_bucket_route_on_cuda_equals_on_cpu(name, params):
     on_cpu = GradzipState(name, bucketed=True, **params)
     on_cuda = GradzipState(name, bucketed=True, **params)
     _same_starting_state((on_cpu, on_cuda), torch.float32)
-    for slot in on_cuda.tensors.values():
-        for key in slot:
-            slot[key] = slot[key].cuda()
+    _state_to_cuda(on_cuda)
     for step in range(3):
         named = _cuda_bucket(step)
         want = on_cpu.exchange([(k, g.cpu()) for k, g in named])
