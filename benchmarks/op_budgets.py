@@ -9,7 +9,9 @@ inside the exchange, and the host reads among them: what would wait for a GPU).
     python benchmarks/op_budgets.py [--methods topk,qsgd]
 
 Prints, per method and route: operations per step at each depth, operations added per parameter tensor,
-and host reads per step at each depth.  Counts are exact, not timings: the machine's load does not
+host reads per step at each depth, and at depth 2 the operations that would launch a kernel on a GPU
+(not views, aliases or bare allocations: a proxy for the GPU issue's "launches per bucket at most DDP's
+plus 40"; a few operations launch more than one kernel).  Counts are exact, not timings: the machine's load does not
 change them (data-dependent methods vary by a few operations from step to step).
 """
 from __future__ import annotations
@@ -34,8 +36,22 @@ DEPTHS = (2, 8)
 PARAMS = {**BENCH_PARAMS, "auto": {"candidates": "topk:ratio=0.01", "warmup": 0, "trials": 1, "verify": 0}}
 
 
+#: Operations that launch no kernel: views and aliases (``OpOverload.is_view``), and bare allocations.
+_NO_KERNEL = {"aten.empty", "aten.empty_like", "aten.new_empty", "aten.empty_strided", "aten.detach",
+              "aten.lift_fresh", "aten.sym_size", "aten.sym_stride", "aten.sym_numel", "aten.sym_storage_offset"}
+
+
+def launching(by_op) -> int:
+    """The operations of ``by_op`` (name -> count) that would launch a kernel on a GPU."""
+    def launches(name: str) -> bool:
+        packet = getattr(torch.ops.aten, name.split(".", 1)[1], None)
+        overload = getattr(packet, "default", None) if packet is not None else None
+        return name not in _NO_KERNEL and not (overload is not None and overload.is_view)
+    return sum(count for name, count in by_op.items() if launches(name))
+
+
 def count(method: str, depth: int, bucketed: bool) -> tuple:
-    """(parameter tensors, operations, host reads) of one step's exchanges."""
+    """(parameter tensors, operations, host reads, kernel-launching operations) of one step's exchanges."""
     with torch.random.fork_rng():
         torch.manual_seed(0)
         model = GPT(INFO, layers=depth, width=32, heads=4)
@@ -55,7 +71,7 @@ def count(method: str, depth: int, bucketed: bool) -> tuple:
             step()
         with count_exchanges(state) as counts:
             step()
-        return len(list(model.parameters())), counts.ops, counts.host_reads
+        return len(list(model.parameters())), counts.ops, counts.host_reads, launching(counts.by_op())
     finally:
         state.close()
 
@@ -63,18 +79,20 @@ def count(method: str, depth: int, bucketed: bool) -> tuple:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--methods", default=",".join(gradzip.compressors()))
+    parser.add_argument("--routes", default="tensor,bucket", help="tensor, bucket or both (default)")
     args = parser.parse_args()
+    routes = [route == "bucket" for route in args.routes.split(",")]
     store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    print("| method | route | ops/step d2 | ops/step d8 | ops/tensor | host reads d2 / d8 |")
-    print("|---|---|---|---|---|---|")
+    print("| method | route | ops/step d2 | ops/step d8 | ops/tensor | host reads d2 / d8 | launching ops d2 |")
+    print("|---|---|---|---|---|---|---|")
     try:
         for method in args.methods.split(","):
-            for bucketed in (False, True):
-                (t2, ops2, reads2), (t8, ops8, reads8) = (count(method, d, bucketed) for d in DEPTHS)
+            for bucketed in routes:
+                (t2, ops2, reads2, launch2), (t8, ops8, reads8, _) = (count(method, d, bucketed) for d in DEPTHS)
                 route = "bucket" if bucketed else "per tensor"
-                print(f"| {method} | {route} | {ops2} | {ops8} | {(ops8 - ops2) / (t8 - t2):.1f} | {reads2} / {reads8} |",
-                      flush=True)
+                print(f"| {method} | {route} | {ops2} | {ops8} | {(ops8 - ops2) / (t8 - t2):.1f} | {reads2} / {reads8} "
+                      f"| {launch2} |", flush=True)
     finally:
         dist.destroy_process_group()
 
