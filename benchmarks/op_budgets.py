@@ -67,7 +67,7 @@ def count(method: str, depth: int, bucketed: bool) -> tuple:
         opt.step()
 
     try:
-        for _ in range(2):
+        for _ in range(4 if method == "auto" else 2):  # auto: explore, decide, then its choice's route
             step()
         with count_exchanges(state) as counts:
             step()
