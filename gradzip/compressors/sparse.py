@@ -197,17 +197,15 @@ class TopK(Sparsifier):
         stacked tensors of each size.  Wire: the bucket's K selected values and their positions in
         the bucket, or, where those would take more bytes, its n values, zero where not selected."""
         layout, vdtype = b.layout, self._vdtype or b.layout.dtype
-        positions, values = [], []
+        positions, absp = [], p.abs()  # |p| once for the bucket, and the values read once at the end
         for size in layout.classes:
             k = math.ceil(self.ratio * size.numel)
             if k:
-                rows = layout.rows(p, size)
-                idx = rows.abs().topk(k, dim=1, sorted=False).indices
-                values.append(rows.gather(1, idx).view(-1))
+                idx = layout.rows(absp, size).topk(k, dim=1, sorted=False).indices
                 positions.append(idx.add_(size.starts.view(-1, 1)).view(-1))
+        del absp
         position = torch.cat(positions) if positions else torch.empty(0, dtype=torch.int64, device=p.device)
-        value = wire_cast(torch.cat(values), vdtype, self.saturates) if values else \
-            torch.empty(0, dtype=vdtype, device=p.device)
+        value = wire_cast(p.index_select(0, position), vdtype, self.saturates)
         dense = self._bucket_dense(layout, position.numel())
         if dense:
             fields = (torch.zeros(layout.numel, dtype=vdtype, device=p.device).index_put_((position,), value),)
@@ -579,18 +577,23 @@ class RandomK(SharedSparsifier):
         divided by N before a 16-bit cast.  Wire: the bucket's K values, no index."""
         layout, vdtype = b.layout, self._vdtype or b.layout.dtype
         pre = b.world_size if vdtype.itemsize == 2 else 1
-        positions, values = [], []
+        positions, factors = [], []
         keys, used = b.uniforms(layout.numel, shared=True, salt="randomk"), 0  # one draw: a class each its slice
         for size in layout.classes:
             k, drawn = math.ceil(self.ratio * size.numel), len(size.members) * size.numel
             rows, used = keys[used:used + drawn].view(-1, size.numel), used + drawn
-            idx = rows.topk(k, dim=1, sorted=False).indices.add_(size.starts.view(-1, 1)).view(-1)
-            scale = size.numel / k if self.unbiased else 1.0
-            positions.append(idx)
-            values.append(_times(p.index_select(0, idx), scale / pre))
+            positions.append(rows.topk(k, dim=1, sorted=False).indices.add_(size.starts.view(-1, 1)).view(-1))
+            factors.append(((size.numel / k if self.unbiased else 1.0) / pre, len(size.members) * k))
         del keys, rows  # a bucket's worth of draws, not to be held across the allreduce
         idx = torch.cat(positions) if positions else torch.empty(0, dtype=torch.int64, device=p.device)
-        payload = wire_cast(torch.cat(values) if values else p.new_empty(0), vdtype, self.saturates, summed=pre)
+        values = p.index_select(0, idx)  # the bucket's values at once; each class's factor, if any, after
+        if any(factor != 1 for factor, _ in factors):
+            cached = self.__dict__.setdefault("_bucket_factors", {})
+            if (layout.keys, pre) not in cached:
+                cached[layout.keys, pre] = torch.cat([torch.full((count,), factor, device=p.device)
+                                                     for factor, count in factors])
+            values.mul_(cached[layout.keys, pre])
+        payload = wire_cast(values, vdtype, self.saturates, summed=pre)
         total = yield AllReduce(payload)
         aggregate = torch.zeros(layout.numel, dtype=torch.float32, device=p.device)
         aggregate.index_copy_(0, idx, _times(total.float(), pre / b.world_size))
