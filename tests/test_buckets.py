@@ -450,7 +450,8 @@ def test_auto_on_its_choices_route_keeps_ranks_identical_and_resumes():
         assert all(torch.equal(a, b) for a, b in zip(outs, results[0][0]))
 
 
-@pytest.mark.parametrize("shapes", [[(5, 3), (0,), (7,), (), (4, 4)], [(1,)], [(0,), (3,)], [(33,), (64,), (0,), (31,)]])
+@pytest.mark.parametrize("shapes", [[(5, 3), (0,), (7,), (), (4, 4)], [(1,)], [(0,), (3,)],
+                                    [(33,), (64,), (0,), (31,)]])
 def test_spreading_per_tensor_and_per_chunk_values_over_the_elements(shapes):
     """per_element and per_chunk (an int32 gather index) equal repeat_interleave by the tensors' and the
     chunks' lengths, empty tensors and chunk sizes that do and do not divide the tensors included."""

@@ -122,7 +122,8 @@ class BucketLayout:
         """Each element's segment, int32: the segments after the first start at ``later_starts``,
         ``counts`` of them there (empty ones start where the next does), so an element's segment is
         the cumulative sum of the counts up to it."""
-        return torch.zeros(self.numel, dtype=torch.int32, device=self.device).index_add_(0, later_starts, counts).cumsum_(0)
+        index = torch.zeros(self.numel, dtype=torch.int32, device=self.device)
+        return index.index_add_(0, later_starts, counts).cumsum_(0)
 
     @functools.cached_property
     def _later_starts(self) -> tuple:

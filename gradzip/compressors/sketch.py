@@ -59,8 +59,8 @@ def row_seeds(seed: int, crcs: torch.Tensor, step: int, rows: int) -> torch.Tens
 def sketch_draws(positions: torch.Tensor, seeds: torch.Tensor, cols, buffer=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Bucket hashes h (int64, in [0, cols)) and signs s (float32, +-1) of the int32 ``positions`` in
     their tensor under the int32 ``seeds`` (broadcast against them: one per hash row): the top 24 bits
-    of :func:`gradzip.kernels.lowbias32_` (i xor seed) (as :func:`gradzip.kernels.counter_uniforms`) scaled to [0, cols), and
-    its lowest bit as the sign (1: +1).  ``cols`` a number or an int64 tensor broadcast likewise.
+    of lowbias32(i xor seed) (:func:`gradzip.kernels.lowbias32_`, as in ``counter_uniforms``) scaled to
+    [0, cols), and its lowest bit as the sign (1: +1).  ``cols`` a number or an int64 tensor broadcast likewise.
     ``buffer(name, shape, dtype)`` gives the memory of the results, "buckets" and "signs", and of the
     hash, "signed" (default: fresh tensors), all written in place: a fresh (rows, n) tensor costs a CPU
     its page faults, and the hash's two int32 scratches are the float32 "signed" (which the caller
@@ -98,9 +98,9 @@ class Sketch(Compressor):
     implemented.  The hashes are drawn again every step, so estimation errors do not stick to the same
     coordinates.  Memory: tensor by tensor, the hashes, signs and signed values take 16 * R bytes per
     element (on a CPU kept from one step to the next, as other methods' buffers); on the bucket route, the
-    R rows of estimates and one row's draws, about 4 R + 48 bytes per element, for the exchange alone.  Wire: two allreduces, R * C * 4 + k * 4
-    bytes (fp32).  Tensors whose sketch would not be smaller than themselves (R * C >= n) are averaged
-    densely and keep no residual.
+    R rows of estimates and one row's draws, about 4 R + 48 bytes per element, for the exchange alone.
+    Wire: two allreduces, R * C * 4 + k * 4 bytes (fp32).  Tensors whose sketch would not be smaller
+    than themselves (R * C >= n) are averaged densely and keep no residual.
     """
 
     name = "sketch"
