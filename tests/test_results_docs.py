@@ -39,3 +39,16 @@ def test_passes_range_text():
     assert passes_range([2.0, 2.0001, None]) == "2.00"
     assert passes_range([0.32, 0.16, 0.2]) == "0.16-0.32"
     assert passes_range([None]) == passes_range([]) == "not recorded"
+
+
+def test_mean_and_std_over_seeds_with_a_diverged_seed():
+    """A seed whose loss went NaN or Inf makes the mean and std non-finite, not the report crash."""
+    import math
+
+    from gradzip.harness.report import _mean_std
+    assert _mean_std([1.0, 3.0]) == (2.0, math.sqrt(2.0))
+    mean, std = _mean_std([0.5, float("nan"), 0.7])
+    assert math.isnan(mean) and math.isnan(std)
+    mean, std = _mean_std([0.5, float("inf")])
+    assert mean == float("inf") and math.isnan(std)
+    assert _mean_std([None, 0.25]) == (0.25, None) and _mean_std([]) == (None, None)

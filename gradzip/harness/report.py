@@ -76,7 +76,11 @@ def _mean_std(values) -> tuple:
     if not values:
         return None, None
     mean = sum(values) / len(values)
-    return mean, (statistics.stdev(values) if len(values) > 1 else None)
+    if len(values) < 2:
+        return mean, None
+    if not all(math.isfinite(v) for v in values):  # a diverged seed (NaN loss): statistics.stdev raises
+        return mean, math.nan
+    return mean, statistics.stdev(values)
 
 
 def aggregate(runs: list) -> list:
