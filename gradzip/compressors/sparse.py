@@ -578,13 +578,13 @@ class RandomK(SharedSparsifier):
         layout, vdtype = b.layout, self._vdtype or b.layout.dtype
         pre = b.world_size if vdtype.itemsize == 2 else 1
         positions, factors = [], []
-        keys, used = b.uniforms(layout.numel, shared=True, salt="randomk"), 0  # one draw: a class each its slice
-        for size in layout.classes:
-            k, drawn = math.ceil(self.ratio * size.numel), len(size.members) * size.numel
-            rows, used = keys[used:used + drawn].view(-1, size.numel), used + drawn
-            positions.append(rows.topk(k, dim=1, sorted=False).indices.add_(size.starts.view(-1, 1)).view(-1))
+        keys = b.uniforms(layout.numel, shared=True, salt="randomk")  # one draw: a class each its slice
+        for size, rows in zip(layout.classes, keys.split([len(s.members) * s.numel for s in layout.classes])):
+            k = math.ceil(self.ratio * size.numel)
+            positions.append(rows.view(-1, size.numel).topk(k, dim=1, sorted=False).indices
+                             .add_(size.starts.view(-1, 1)).view(-1))
             factors.append(((size.numel / k if self.unbiased else 1.0) / pre, len(size.members) * k))
-        del keys, rows  # a bucket's worth of draws, not to be held across the allreduce
+        keys = rows = None  # a bucket's worth of draws (rows views it), not to be held across the allreduce
         idx = torch.cat(positions) if positions else torch.empty(0, dtype=torch.int64, device=p.device)
         values = p.index_select(0, idx)  # the bucket's values at once; each class's factor, if any, after
         if any(factor != 1 for factor, _ in factors):
@@ -755,10 +755,11 @@ class GradientDropping(MaskedBucket, Sparsifier):
         samples.  The exchange and its one host read: :class:`MaskedBucket`."""
         layout, stride = b.layout, max(1, round(1 / self.sample_ratio))
         thresholds = torch.zeros(len(layout), dtype=torch.float32, device=p.device)
-        draws, used = b.uniforms(len(layout), shared=False, salt="dropping"), 0  # one draw: a class each its slice
-        for size in layout.classes:
-            n, span, m = size.numel, min(stride, size.numel), len(size.members)
-            starts, used = draws[used:used + m].mul(span).long().clamp_(max=span - 1), used + m
+        draws = b.uniforms(len(layout), shared=False, salt="dropping")  # one draw: a class each its slice
+        counts = [len(s.members) for s in layout.classes]  # empty tensors are in no class: their draws unused
+        for size, drawn in zip(layout.classes, draws.split(counts + [len(layout) - sum(counts)])):
+            n, span = size.numel, min(stride, size.numel)
+            starts = drawn.mul(span).long().clamp_(max=span - 1)
             width = -(-n // stride)  # the longest sample: from start 0
             columns = starts.view(-1, 1) + stride * torch.arange(width, device=p.device)
             outside = columns >= n
