@@ -12,6 +12,8 @@ import math
 import numpy as np
 import torch
 
+from . import devices
+
 __all__ = ["pack_bits", "unpack_bits", "packed_nbytes", "byte_table", "lookup_codes", "index_dtype", "select"]
 
 
@@ -33,7 +35,7 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     nbytes = packed_nbytes(n, bits)
     if n == 0:
         return torch.empty(0, dtype=torch.uint8, device=codes.device)
-    if codes.device.type == "cpu":
+    if devices.host_memory(codes):
         return torch.from_numpy(np.packbits(_bit_stream(codes, bits).numpy(), bitorder="little"))
     if 8 % bits == 0:
         # Fast path: an integral number of codes per byte, combined with shifts.
@@ -59,7 +61,7 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     if packed.numel() < packed_nbytes(n, bits):
         raise ValueError(f"{packed.numel()} bytes cannot hold {n} codes of {bits} bits")
     device = packed.device
-    if device.type == "cpu":
+    if devices.host_memory(device):
         stream = torch.from_numpy(np.unpackbits(packed.contiguous().numpy(), count=n * bits, bitorder="little"))
         return _from_bit_stream(stream, bits, n)
     if 8 % bits == 0:
@@ -146,7 +148,7 @@ def select(condition: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, out: to
     picks the bits with integer masks instead: b ^ ((a ^ b) & m), with m all ones where ``condition``.
     ``out`` (float32) and ``scratch`` (int32), of ``condition``'s shape, are optional buffers to use.
     """
-    if condition.device.type != "cpu":
+    if not devices.selects_by_bits(condition):
         return torch.where(condition, a, b)
     shape = condition.shape
     a, b = a.view(torch.int32), b.view(torch.int32)

@@ -25,6 +25,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from . import devices
 from . import feedback as _feedback
 from . import kernels
 from .collectives import run_lockstep
@@ -56,7 +57,7 @@ class DeferredFlag:
 
     def set(self, flag: torch.Tensor) -> None:
         with self._lock:
-            if flag.is_cuda:
+            if devices.cuda(flag):
                 if self._host is None:
                     self._host = torch.empty((), dtype=torch.bool, pin_memory=True)
                     self._event = torch.cuda.Event()
@@ -134,12 +135,17 @@ class _Bucket:
             if view is not None:
                 tensors.setdefault(key, {})[name] = view
 
-    def commit(self, updates: dict, shapes: dict, bad: torch.Tensor, tensors: dict) -> None:
+    def commit(self, updates: dict, shapes: dict, bad: torch.Tensor, tensors: dict,
+               spare: Optional[torch.Tensor] = None) -> None:
         """Make the staged flat state committed where ``bad`` (a device bool) is False; keep the old
-        one (none: zeros, which the methods read as nothing) where it is True."""
+        one (none: zeros, which the methods read as nothing) where it is True.  ``spare``: the input,
+        whose memory staged state may use (see :attr:`BucketContext.input_spare`), and which the
+        aggregate overwrites next: state kept for the first time is copied out of it."""
         for name, new in updates.items():
             old = self.flat.get(name)
             if old is None or old.shape != new.shape:
+                if spare is not None and new.untyped_storage().data_ptr() == spare.untyped_storage().data_ptr():
+                    new = new.clone()
                 self._keep(name, new.masked_fill_(bad, 0.0), shapes[name], tensors)
             else:
                 torch.where(bad, old, new, out=old)
@@ -189,9 +195,12 @@ class BucketRoute:
         flat_g = entry.flat_input(grads)
         step = state.steps.get(keys[0], 0)
         shapes = _state_shapes(compressor, layout, step)
+        # Where the aggregate goes back into the input's own run (DDP's bucket), the input's memory is
+        # the exchange's to use until then.
+        in_place = out is not None and entry.input_at is not None and all(o is g for o, (_, g) in zip(out, named_grads))
         b = BucketContext(layout, step=step, rank=state.rank, world_size=state.world_size, seed=state.seed,
                           state=entry.load(state.tensors, shapes), epoch=state.epoch,
-                          scale=state.loss_scale(layout.device))
+                          scale=state.loss_scale(layout.device), input_spare=in_place)
         local = torch.zeros((), dtype=torch.bool, device=layout.device)
         if not compressor.carries_nonfinite and layout.numel:
             local = ~torch.isfinite(torch.linalg.vector_norm(flat_g, float("inf")))
@@ -205,9 +214,8 @@ class BucketRoute:
             bad = bad | ~torch.isfinite(torch.linalg.vector_norm(aggregate, float("inf")))
         report.nonfinite = bad  # a device bool: what a caller reading it (DiLoCo's outer step) must know
         poison = torch.where(bad, float("nan"), 1.0)  # x * 1 == x for every x, NaN too
-        in_place = out is not None and entry.input_at is not None and all(o is g for o, (_, g) in zip(out, named_grads))
-        outputs = _write(aggregate, poison, out, flat_g if in_place else None, layout)
-        entry.commit(b.updates, shapes, bad, state.tensors)
+        entry.commit(b.updates, shapes, bad, state.tensors, spare=flat_g if in_place else None)  # before
+        outputs = _write(aggregate, poison, out, flat_g if in_place else None, layout)  # the input is overwritten
         entry.skipped.set(bad)
         for key in keys:
             state.steps[key] = b.step + 1

@@ -21,6 +21,7 @@ from typing import Generator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from . import devices
 from .compressors.base import AllGather, AllReduce
 
 __all__ = ["Transport", "ProcessGroupTransport", "LocalTransport", "ThreadGroup", "ExchangeReport", "run_lockstep", "simulate"]
@@ -196,7 +197,7 @@ class _Phase:
 
     def _buffer(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> Optional[torch.Tensor]:
         """This phase's kept buffer ``name``, or None (no reuse, small, or not on the CPU)."""
-        if self.buffers is None or device.type != "cpu" or numel < _KEEP_MIN:
+        if self.buffers is None or not devices.reuses_buffers(device) or numel < _KEEP_MIN:
             return None
         key = (self.index, name, dtype)
         buf = self.buffers.get(key)

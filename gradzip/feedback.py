@@ -34,7 +34,7 @@ from typing import ClassVar, Optional
 
 import torch
 
-from . import kernels
+from . import devices, kernels
 from .compressors.base import Compressor, Exchange, TensorContext, add_scaled, times_scale, unscale_, workspace
 from .compressors.dense import NoCompression
 from .compressors.sparse import _momentum_params
@@ -173,7 +173,7 @@ class MomentumCorrection(Feedback):
         state = self.load(ctx)
         u, v = state.momentum, state.velocity
         fused = None
-        fusable = kernels.enabled(g.numel()) and g.is_contiguous() and g.device.type == "cpu" and scale is None
+        fusable = kernels.enabled(g.numel()) and g.is_contiguous() and devices.fuses_momentum(g) and scale is None
         if u is not None and v is not None and fusable:
             # Both updates in one pass over u, g and v (a kernel, on large CPU tensors: GPU compilers
             # contract a multiply and an add into one rounding), rounded as below.
@@ -215,22 +215,27 @@ class MomentumCorrection(Feedback):
         (:func:`_none_where_whole`) keep no velocity, and their momentum is not masked (their sent
         positions are not in ``sparse``/``mask``)."""
         layout, m, scale = b.layout, self.momentum, b.scale
+        spare = b.input_spare and g.dtype == torch.float32  # g's memory may take v (see BucketContext)
         g = g.float()
         if self.clip_norm is not None:
             limit = self.clip_norm * b.world_size ** -0.5
             norms = layout.segment_sum(g * g).sqrt_()
             if scale is not None:  # clip_norm is in gradient units
                 norms = norms / scale
-            g = g * layout.per_element(torch.clamp(limit / (norms + 1e-6), max=1.0))
+            g, spare = g * layout.per_element(torch.clamp(limit / (norms + 1e-6), max=1.0)), True
         u, v = b.get("momentum"), b.get("velocity")
         u = torch.zeros_like(g) if u is None else u
         if self.nesterov:
             u = add_scaled(g, u, scale).mul_(m)  # u = (u + g) * m
-            increment = u + g
+            increment = g.add_(u) if spare else u + g
         else:
             u = torch.mul(u, times_scale(m, scale)).add_(g)  # u = m * u + g
             increment = u
-        v = increment.clone() if v is None else add_scaled(increment, v, scale)
+        into = g if spare else None
+        if v is None:
+            v = increment.clone() if into is None else into.copy_(increment)
+        else:
+            v = add_scaled(increment, v, scale, out=into)
         result = yield from compressor.bucket_exchange(v, b)
         v = _none_where_whole(compressor, b, _minus_sent(v, result, own=True))
         if result.sparse is not None:
@@ -319,7 +324,7 @@ def checks_input(compressor: Compressor, g: torch.Tensor, ctx: TensorContext) ->
 
 
 def _checkable(g: torch.Tensor) -> bool:
-    return g.device.type == "cpu" and g.is_contiguous() and g.numel() >= kernels.CHECK_CHUNK
+    return devices.reads_freely(g) and g.is_contiguous() and g.numel() >= kernels.CHECK_CHUNK
 
 
 def _checked_add(x: torch.Tensor, e: torch.Tensor, ctx: TensorContext, observe=None) -> torch.Tensor:
@@ -370,9 +375,10 @@ def bucket_exchange(compressor: Compressor, g: torch.Tensor, b) -> Exchange:
     if isinstance(scheme, MomentumCorrection):
         return (yield from scheme.bucket_exchange(compressor, g, b))
     e = b.get("residual")
-    p = g.float() if e is None else add_scaled(g, e, b.scale)
+    spare = b.input_spare and g.dtype == torch.float32
+    p = g.float() if e is None else add_scaled(g, e, b.scale, out=g if spare else None)
     result = yield from compressor.bucket_exchange(p, b)
-    e = _minus_sent(p, result, own=e is not None or g.dtype != torch.float32)
+    e = _minus_sent(p, result, own=e is not None or g.dtype != torch.float32 or spare)
     b.set("residual", unscale_(_none_where_whole(compressor, b, e), b.scale))
     return result
 

@@ -29,7 +29,7 @@ from typing import Callable, Optional
 import torch
 
 __all__ = ["MIN_NUMEL", "LARGE_NUMEL", "UNROLL_RANKS", "KERNELS", "Kernel", "fused", "enabled", "enabled_over_ranks",
-           "pack_codes", "unpack_codes", "packs_from_bytes", "pack_bytes",
+           "pack_codes", "unpack_codes", "pack_bytes",
            "repeat_each", "counter_uniforms", "lowbias32_", "uniforms_from"]
 
 #: The smallest tensor (elements) that takes a fused path: QSGD saves about 35 passes over 2^20
@@ -201,16 +201,6 @@ def _or_codes(grouped: torch.Tensor, bits: int) -> torch.Tensor:
     for j in range(1, grouped.shape[1]):
         packed = packed | (grouped[:, j] << (j * bits))
     return packed
-
-
-def packs_from_bytes(device: torch.device) -> bool:
-    """Whether encoders on ``device`` write their codes a byte each and pack them with
-    :func:`pack_bytes` (CPUs), rather than pack them in the loop that computes them (GPUs).
-
-    :func:`pack_codes` reads each output byte's codes at a stride, which a CPU's vector loop does with
-    scalar loads: 25M 2-bit QSGD codes took 34 ms packed in their loop, against 9 written as bytes
-    plus 1 to pack those."""
-    return device.type == "cpu"
 
 
 def _words_packed(words: torch.Tensor, bits: int) -> torch.Tensor:

@@ -23,6 +23,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from . import devices
 from . import feedback as _feedback
 from . import kernels
 from .kernels import any_nonfinite as _any_nonfinite
@@ -100,7 +101,7 @@ def _may_be_nonfinite(output: torch.Tensor, result) -> torch.Tensor:
     (a cast to a narrower type can overflow, so that output is read itself).  Where the method's
     ``bound`` on |aggregate| shows it finite, only the bound is read."""
     bound = result.bound
-    if (bound is not None and output.dtype == result.aggregate.dtype == torch.float32 and output.device.type == "cpu"
+    if (bound is not None and output.dtype == result.aggregate.dtype == torch.float32 and devices.reads_freely(output)
             and float(bound) < _FLOAT32_MAX / 2):  # half: room for the rounding of r products summed
         return bound
     if result.support is None or not output.is_contiguous():
@@ -113,7 +114,7 @@ def _may_be_nonfinite(output: torch.Tensor, result) -> torch.Tensor:
 def _checked_as_copied(target: torch.Tensor, result) -> bool:
     """Whether the aggregate is copied into ``target`` and checked for NaN and Inf as it is copied:
     large, dense, float32 and contiguous on a CPU (a sparse aggregate's check reads its support)."""
-    return (target.device.type == "cpu" and target.dtype == torch.float32 and target.is_contiguous()
+    return (devices.reads_freely(target) and target.dtype == torch.float32 and target.is_contiguous()
             and target.numel() >= kernels.CHECK_CHUNK and result.support is None
             and result.aggregate.is_contiguous() and not _is_memory_of(result.aggregate, target))
 
@@ -145,7 +146,7 @@ def _is_memory_of(aggregate: torch.Tensor, target: torch.Tensor) -> bool:
 
 def _address(t: torch.Tensor) -> tuple:
     """Where a tensor's memory starts: equal for views of one storage."""
-    return t.device.type, t.untyped_storage().data_ptr()
+    return t.device, t.untyped_storage().data_ptr()
 
 
 class GradzipState:
@@ -293,7 +294,9 @@ class GradzipState:
 
         ``out``: tensors shaped like the inputs (they may be the inputs themselves, as DDP's bucket
         views are) to write the aggregates into and return.  The exchange then reuses its buffers
-        from one step to the next instead of allocating (:meth:`TensorContext.buffer`, ``spare``).
+        from one step to the next instead of allocating (:meth:`TensorContext.buffer`, ``spare``);
+        where they are the inputs, the exchange may use their memory before writing the aggregates
+        (the bucket route keeps error feedback's g + e there), so after an error they hold neither.
 
         Small vectors (``group_vectors_below``) are joined into one tensor, compressed as one and split
         again; their state is kept under the group's key (:meth:`exchanged_keys`).
@@ -353,7 +356,7 @@ class GradzipState:
         per-tensor route."""
         if self.bucketed is False or self.group_vectors_below > 0 or not named_grads:
             return None
-        if self.bucketed is None and not named_grads[0][1].is_cuda:
+        if self.bucketed is None and not devices.cuda(named_grads[0][1]):
             return None
         method = self.compressor.bucket_method([key for key, _ in named_grads], self.tensors)
         if method is None or not takes_bucket_route(method, [g for _, g in named_grads], self.world_size):
@@ -585,7 +588,7 @@ class GradzipState:
         FIFO keeps the order of collectives identical on every rank.  The future gets
         ``done(aggregates)``'s value."""
         self.transport  # connect on the caller's thread, never on the communication thread
-        device = next((g.device for _, g in named_grads if g.is_cuda), None)
+        device = next((g.device for _, g in named_grads if devices.cuda(g)), None)
         ready = None
         if device is not None:
             # The thread works on a stream of its own: it waits for what the caller's stream (backward)
@@ -882,7 +885,7 @@ class GradzipState:
 
     def _device_of_state(self) -> Optional[torch.device]:
         """Where this rank's state lives (its CUDA device under NCCL), for tensors gathered on CPUs."""
-        if isinstance(self._transport, ProcessGroupTransport) and self._transport.device.type != "cpu":
+        if isinstance(self._transport, ProcessGroupTransport) and not devices.host_memory(self._transport.device):
             return self._transport.device
         return None
 

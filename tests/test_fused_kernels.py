@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 
-from gradzip import feedback, kernels
+from gradzip import devices, feedback, kernels
 from gradzip.collectives import simulate
 from gradzip.compressors import make, quantize, sign, sparse
 from gradzip.compressors.base import TensorContext
@@ -143,7 +143,7 @@ def test_pack_bytes_equals_pack_bits(bits):
 @pytest.mark.parametrize("name, params", [("qsgd", {}), ("terngrad", {}), ("efsignsgd", {})])
 def test_codes_packed_in_their_loop_equal_the_reference(name, params, monkeypatch, calls):
     # GPUs pack codes in the loop that computes them; CPUs write them a byte each, then pack those.
-    monkeypatch.setattr(kernels, "packs_from_bytes", lambda device: False)
+    monkeypatch.setattr(devices, "packs_from_bytes", lambda where: False)
     xs = [x.reshape(-1)[:-3].clone() for x in inputs(2, seed=3)]  # a partly filled last byte
     assert_same_bits(run(name, params, xs, monkeypatch, fused=True), run(name, params, xs, monkeypatch, fused=False))
     assert calls["n"] > 0 and kernels._failure is None
@@ -191,7 +191,7 @@ def test_decoding_by_byte_table_equals_the_kernels_and_unpacking(name, params, w
     monkeypatch.setattr(kernels, "UNROLL_RANKS", 0)  # no decoding kernel: the table's run
     table = run(name, params, xs, monkeypatch, fused=True)
     monkeypatch.setattr(kernels, "UNROLL_RANKS", 16)
-    monkeypatch.setattr(quantize, "_TABLE_DECODE", ())
+    monkeypatch.setattr(devices, "decodes_by_table", lambda where: False)
     decoding = {"n": calls["n"]}
     assert_same_bits(table, run(name, params, xs, monkeypatch, fused=True))
     assert calls["n"] > decoding["n"] + world  # the encoding kernels, then the decoding ones
@@ -357,7 +357,7 @@ def test_column_maxima_kernel_gives_the_reference_selections(case, monkeypatch, 
 @pytest.mark.parametrize("name", ["qsgd", "terngrad", "natural"])
 def test_kernels_read_torch_rands_draws_where_they_make_none(name, monkeypatch, calls):
     # On GPUs the kernels take torch.rand's draws, as the reference path does (here: on the CPU).
-    monkeypatch.setattr(quantize, "_COUNTER_DRAWS", ())
+    monkeypatch.setattr(devices, "draws_in_kernel", lambda where: False)
     xs = inputs(2, seed=11)
     fused = run(name, {}, xs, monkeypatch, fused=True)
     assert calls["n"] > 0
@@ -536,7 +536,7 @@ def _qsgd_ranks(world, into, steps=2):
 def test_qsgd_own_decoding_leaves_the_aggregate_alone(unrolled, monkeypatch):
     # Decoding (as GPUs do, by the kernel) of this rank's own payload for its residual must not write into
     # the aggregate buffer, which an exchange into the gradients lends as the result.
-    monkeypatch.setattr(quantize, "_TABLE_DECODE", ())
+    monkeypatch.setattr(devices, "decodes_by_table", lambda where: False)
     monkeypatch.setattr(kernels, "UNROLL_RANKS", unrolled)
     into, plain = _qsgd_ranks(2, into=True), _qsgd_ranks(2, into=False)
     for step in range(2):

@@ -21,7 +21,7 @@ from typing import Any, Callable, ClassVar, Generator, Optional, Sequence
 import numpy as np
 import torch
 
-from .. import kernels
+from .. import devices, kernels
 
 __all__ = [
     "AllReduce",
@@ -238,7 +238,7 @@ class TensorContext(StagedContext):
         if name == "aggregate" and out is not None and out.numel() == shape.numel() and out.dtype == dtype \
                 and out.device == torch.device(device):
             return out.view(shape)
-        if self.buffers is None or device.type != "cpu" or shape.numel() < _WORKSPACE_MIN:
+        if self.buffers is None or not devices.reuses_buffers(device) or shape.numel() < _WORKSPACE_MIN:
             return torch.empty(shape, dtype=dtype, device=device)
         buf = self.buffers.get(name)
         if buf is None or buf.shape != shape or buf.dtype != dtype:
@@ -585,7 +585,7 @@ def workspace(name: str, numel: int, dtype: torch.dtype, device: torch.device) -
     stored, or used after a ``yield``: generators of other tensors run there and reuse the buffer.
     GPUs get a plain ``torch.empty``: the caching allocator already reuses memory.
     """
-    if device.type != "cpu" or numel < _WORKSPACE_MIN:
+    if not devices.reuses_buffers(device) or numel < _WORKSPACE_MIN:
         return torch.empty(numel, dtype=dtype, device=device)
     buffers = _WORKSPACE.__dict__.setdefault("buffers", {})
     buf = buffers.get((name, dtype))
@@ -598,9 +598,9 @@ def packed_codes(n: int, bits: int, device: torch.device, in_loop: Callable[[], 
                  as_bytes: Callable[[torch.Tensor], Optional[torch.Tensor]]) -> Optional[torch.Tensor]:
     """n codes packed ``bits`` each by an encoding kernel: ``in_loop()`` packs them in the loop that
     computes them (GPUs); on CPUs ``as_bytes(out)`` writes them a byte each into ``out`` and
-    :func:`kernels.pack_bytes` packs those (see :func:`kernels.packs_from_bytes`).  None where the
+    :func:`kernels.pack_bytes` packs those (see :func:`gradzip.devices.packs_from_bytes`).  None where the
     kernel did not run: the caller takes its reference path."""
-    if not kernels.packs_from_bytes(device):
+    if not devices.packs_from_bytes(device):
         return in_loop()
     codes = workspace("code bytes", n, torch.uint8, device)
     return None if as_bytes(codes) is None else kernels.pack_bytes(codes, bits)
@@ -650,7 +650,7 @@ def compare(op: str, a: torch.Tensor, b, out: Optional[torch.Tensor] = None) -> 
 
 
 def _numpy_able(t: torch.Tensor) -> bool:
-    return type(t) is torch.Tensor and t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+    return type(t) is torch.Tensor and devices.host_memory(t) and t.is_contiguous() and not t.is_conj() and not t.is_neg()
 
 
 def _numpy_operand(a: torch.Tensor, b):
@@ -660,7 +660,7 @@ def _numpy_operand(a: torch.Tensor, b):
         return None
     floating = a.dtype.is_floating_point
     if isinstance(b, torch.Tensor):
-        if b.dim() == 0 and (b.dtype == a.dtype or (floating and b.dtype.is_floating_point)) and b.device.type == "cpu":
+        if b.dim() == 0 and (b.dtype == a.dtype or (floating and b.dtype.is_floating_point)) and devices.host_memory(b):
             b = b.item()  # a 0-d tensor of a's kind is compared in a's dtype: as the number it holds
         elif b.shape == a.shape and b.dtype == a.dtype and _numpy_able(b):
             return b.detach().numpy()
@@ -684,7 +684,7 @@ def column_counts(mask: torch.Tensor) -> torch.Tensor:
 def count_true(mask: torch.Tensor) -> int:
     """``int(mask.sum())`` for a bool tensor, without widening every element to int64 first (25M on
     a CPU: 160 ms summed, 2.6 counted by numpy)."""
-    if mask.device.type == "cpu" and type(mask) is torch.Tensor:
+    if devices.host_memory(mask) and type(mask) is torch.Tensor:
         return int(np.count_nonzero(mask.detach().numpy()))
     return int(torch.count_nonzero(mask))
 
@@ -693,7 +693,7 @@ def zeroed(t: torch.Tensor) -> torch.Tensor:
     """``t.zero_()``, by ``memset`` for large contiguous CPU tensors: glibc streams a buffer larger than
     the cache past it, which takes a third to a half of the time of torch's fill loop (25M fp32: 2.6 to
     3.7 ms against 7.7), and sets the same all-zero bits."""
-    if t.device.type == "cpu" and t.numel() >= _WORKSPACE_MIN and t.is_contiguous() and type(t) is torch.Tensor:
+    if devices.host_memory(t) and t.numel() >= _WORKSPACE_MIN and t.is_contiguous() and type(t) is torch.Tensor:
         ctypes.memset(t.data_ptr(), 0, t.numel() * t.element_size())
         return t
     return t.zero_()

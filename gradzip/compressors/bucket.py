@@ -158,6 +158,9 @@ class BucketContext(StagedContext):
     (flat tensors over the whole bucket), and committed by the owner with a device-side select."""
 
     layout: BucketLayout
+    #: Whether the input's own memory may take error feedback's p = g + e (float32 input that the owner
+    #: overwrites with the aggregate anyway: DDP's bucket): the bucket's largest temporary, saved.
+    input_spare: bool = False
 
     def draw_seed(self, *, shared: bool = True, salt: str = "") -> int:
         """A 31-bit seed for :func:`kernels.counter_uniforms` from (seed, first key, step[, rank]):

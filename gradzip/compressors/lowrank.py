@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from .. import kernels
+from .. import devices, kernels
 from .base import AllReduce, Compressor, Exchanged, TensorContext
 from .registry import register
 
@@ -48,7 +48,7 @@ def outer(P: torch.Tensor, Rt: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """P Rt (n x r times r x m) into ``out``.  On CPUs as r broadcast products, sum_k P[:, k] Rt[k, :]:
     a BLAS product of inner dimension 2 writes its n x m result about 2x slower than that (and a fused
     kernel, on large matrices, writes it in one pass)."""
-    if out.device.type != "cpu":
+    if not devices.outer_by_products(out):
         return torch.matmul(P, Rt, out=out)
     if kernels.enabled(out.numel()) and _outer_into(out, P, Rt, rank=P.shape[1]) is not None:
         return out
@@ -61,7 +61,7 @@ def outer(P: torch.Tensor, Rt: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 def minus_outer(M: torch.Tensor, P: torch.Tensor, Rt: torch.Tensor) -> Optional[torch.Tensor]:
     """M - :func:`outer` (P, Rt), written into M, in one fused pass over M; None (M unchanged) where
     there is no such kernel (small matrices, GPUs, fused kernels off)."""
-    if M.device.type != "cpu" or not kernels.enabled(M.numel()):
+    if not devices.outer_by_products(M) or not kernels.enabled(M.numel()):
         return None
     return _minus_outer(M, P, Rt, rank=P.shape[1])
 

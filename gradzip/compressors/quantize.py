@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from .. import kernels
+from .. import devices, kernels
 from ..bits import byte_table, lookup_codes, pack_bits, packed_nbytes, unpack_bits
 from .base import (AllGather, AllReduce, Compressor, Exchanged, GatheredCompressor, TensorContext, chunked_sum, compare,
                    packed_codes, workspace)
@@ -53,28 +53,21 @@ def _kernel_draws(n: int, ctx: TensorContext, device: torch.device, drawn: Optio
     the kernel making the draws in its loop (writing them with torch.rand costs some eight passes
     there); on GPUs, where torch.rand is cheap and the hash's integer arithmetic has not been
     tested, the first n of torch.rand's ``drawn`` (default n) draws, as the reference path takes them."""
-    return _seed(ctx, device) if device.type in _COUNTER_DRAWS else _uniforms(drawn or n, ctx, device)[:n]
-
-
-#: Where fused kernels make their own draws (:func:`_kernel_draws`).
-_COUNTER_DRAWS = ("cpu",)
+    return _seed(ctx, device) if devices.draws_in_kernel(device) else _uniforms(drawn or n, ctx, device)[:n]
 def _decodes_fused(n: int, world: int, device: torch.device) -> bool:
     """Whether a decoding kernel takes the mean of ``world`` payloads of n elements.  On CPUs the byte
     table's path costs one to three passes more, which repays a kernel's compile only from
     :data:`kernels.LARGE_NUMEL` elements; elsewhere the kernels are the fast path from ``MIN_NUMEL``."""
     return (kernels.enabled_over_ranks(n, world)
-            and (device.type != "cpu" or n >= kernels.LARGE_NUMEL))
+            and (not devices.decodes_by_table(device) or n >= kernels.LARGE_NUMEL))
 
-
-#: Where packed codes of 1, 2, 4 or 8 bits are decoded by a table lookup per byte (:func:`_table_decodes`).
-_TABLE_DECODE = ("cpu",)
 
 
 def _table_decodes(packed: torch.Tensor, bits: int) -> bool:
     """Whether codes are decoded with :func:`gradzip.bits.lookup_codes`, eagerly: on CPUs Inductor's loop
     that unpacks codes stays scalar, and took three times as long (113 ms for QSGD's 25M codes
     against 42).  Elsewhere the fused kernels decode."""
-    return packed.device.type in _TABLE_DECODE and 8 % bits == 0
+    return devices.decodes_by_table(packed) and 8 % bits == 0
 
 
 @functools.lru_cache(maxsize=64)
@@ -204,7 +197,7 @@ def _qsgd_codes(flat, scale, draws, s: int, bs: int):
 
 @kernels.fused
 def _qsgd_encode(flat, scale, draws, *, s: int, bs: int, bits: int):
-    """QSGD's packed codes in one loop (GPUs; see :func:`kernels.packs_from_bytes`)."""
+    """QSGD's packed codes in one loop (GPUs; see :func:`gradzip.devices.packs_from_bytes`)."""
     return kernels.pack_codes(_qsgd_codes(flat, scale, draws, s, bs), bits)
 
 
@@ -456,7 +449,7 @@ def _terngrad_codes(g, bound, s, draws):
 
 @kernels.fused
 def _terngrad_encode(g, bound, s, draws):
-    """TernGrad's packed codes in one loop (GPUs; see :func:`kernels.packs_from_bytes`)."""
+    """TernGrad's packed codes in one loop (GPUs; see :func:`gradzip.devices.packs_from_bytes`)."""
     return kernels.pack_codes(_terngrad_codes(g, bound, s, draws), 2)
 
 
@@ -603,17 +596,23 @@ class TernGrad(Compressor):
         s = yield AllReduce(s_local, op="max")
         # s == 0 means g == 0 in that tensor: the clamp turns 0/0 into probability 0 instead of NaN (and
         # the trits there are 0, so the aggregate, t * tiny, is still 0).
-        scale = layout.per_element(s.clamp_min(torch.finfo(torch.float32).tiny))
-        up = b.uniforms(n, shared=False, salt="terngrad") < g.abs().div_(scale)
+        s = s.clamp_min(torch.finfo(torch.float32).tiny)
+        positive = g > 0
+        # |g| / s in g's memory where g is this exchange's own (the clip's), and the spread s freed
+        # before the draws: bucket-sized temporaries one at a time, not four at once.
+        ratio = (g.abs_() if g is not p else g.abs()).div_(layout.per_element(s))
+        up = b.uniforms(n, shared=False, salt="terngrad") < ratio
+        del g, ratio
         # t + 1 = 1 - up + 2 (up and g > 0), in {0, 1, 2}
-        codes = (g > 0).logical_and_(up).to(torch.uint8).mul_(2).add_(1).sub_(up.to(torch.uint8))
+        codes = positive.logical_and_(up).to(torch.uint8).mul_(2).add_(1).sub_(up.to(torch.uint8))
         packed = _pack_codes(codes, 2)
-        del g, up, codes  # bucket-sized: not to be held across the allgather and the decoding
+        del positive, up, codes  # bucket-sized: not to be held across the allgather and the decoding
         gathered = yield AllGather((packed,))
         total = None
         for (got,) in gathered:  # trits in {-1, 0, 1}: exact sums
             t = _unpack_codes(got, 2, n).float().sub_(1)
             total = t if total is None else total.add_(t)
+        scale = layout.per_element(s)
         # N trits summed, times s: |sum| <= N max_i s_i, and the mean is at most that
         return Exchanged(total.mul_(scale).div_(b.world_size),
                          lambda: _unpack_codes(packed, 2, n).float().sub_(1).mul_(scale),
@@ -636,14 +635,15 @@ def _natural_codes(flat, u):
     # In place where it can be: run eagerly (the bucket route on a CPU) each new temporary is a bucket's
     # worth of memory; in a fused kernel it costs nothing either way.
     bits = flat.view(torch.int32)
-    biased = (bits >> 23).bitwise_and_(0xFF)
+    biased = (bits >> 23).bitwise_and_(0xFF).to(torch.int16)  # 8 bits: e below stays under 2^8 too
     tiny = biased < 64
-    p = (bits & 0x7FFFFF).to(torch.float32).mul_(2.0**-23)
+    p = bits & 0x7FFFFF
+    p = p.view(torch.float32).copy_(p).mul_(2.0**-23)  # converted in its own memory, element by element
     torch.where(tiny, flat.abs().mul_(2.0**63), p, out=p)
     up = u < p
     del p, u, tiny
     e = (biased - 63).clamp_(min=0).add_(up).clamp_(max=127)
-    e.bitwise_or_((bits < 0).logical_and_(e > 0).to(torch.int32).bitwise_left_shift_(7))
+    e.bitwise_or_((bits < 0).logical_and_(e > 0).to(torch.int16).bitwise_left_shift_(7))
     return e.masked_fill_(biased == 0xFF, Natural._NONFINITE).to(torch.uint8)
 
 
@@ -741,7 +741,7 @@ class Natural(GatheredCompressor):
         # Every value, so the mean, is at most 2^63 in magnitude, unless a rank sent the code 0x80 (-128
         # as int8: a NaN or Inf input, decoded to NaN): one read of the codes, a byte per element,
         # instead of the aggregate's four.  The owner reads a bound only for CPU outputs.
-        if gathered[0][0].device.type != "cpu":
+        if not devices.reads_freely(gathered[0][0]):
             return None
         marked = any(bool(codes.view(torch.int8).min() == -128) for (codes,) in gathered if codes.numel())
         return torch.tensor(math.nan if marked else 2.0**63)

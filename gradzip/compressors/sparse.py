@@ -14,7 +14,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .. import kernels
+from .. import devices, kernels
 from ..bits import index_dtype
 from .base import AllGather, AllReduce, Compressor, Exchanged, GatheredCompressor, TensorContext, check_ratio
 from .base import value_dtype as _parse_value_dtype
@@ -304,7 +304,7 @@ def _where(mask: torch.Tensor) -> torch.Tensor:
     """The positions of ``mask``'s True elements in its flattened order: int64, ascending, as
     ``mask.nonzero()``, which on CPUs takes four to six times as long as numpy's ``flatnonzero`` (25M
     elements: 28 ms against 7 at 0.3% True, 280 ms against 44 at 94%)."""
-    if mask.device.type != "cpu":
+    if not devices.host_memory(mask):
         return mask.nonzero().reshape(-1)
     return torch.from_numpy(np.flatnonzero(mask.numpy()))
 
@@ -313,7 +313,7 @@ def _where_2d(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Row and column indices of the 2-D ``mask``'s True elements, row by row (as ``mask.nonzero()``'s
     two columns).  On CPUs the flat positions by numpy's ``flatnonzero``, then one ``divmod``: a fifth
     of the time of numpy's 2-D ``nonzero`` (8 x 13,000 booleans, 13% True: 59 us against 245)."""
-    if mask.device.type != "cpu":
+    if not devices.host_memory(mask):
         return mask.nonzero().unbind(1)
     rows, cols = np.divmod(np.flatnonzero(mask.numpy()), mask.shape[1])
     return torch.from_numpy(rows), torch.from_numpy(cols)
@@ -337,7 +337,7 @@ def _at_least_abs(flat: torch.Tensor, threshold: torch.Tensor, expected: int) ->
     writing |flat| when about ``expected`` elements pass: by the column search of :func:`_not_below_abs`
     where few columns can hit (at most 1/16 of the elements expected to pass), else by one comparison
     over |flat|."""
-    if 16 * expected > flat.numel() or flat.numel() < _PREFILTER_MIN or flat.device.type != "cpu":
+    if 16 * expected > flat.numel() or flat.numel() < _PREFILTER_MIN or not devices.prefilters_selection(flat):
         return _at_least(magnitudes(flat), threshold)
     return _not_below_abs(flat, _above_zero(threshold, flat.dtype), keep_nan=False)
 
@@ -377,7 +377,7 @@ def top_k(a: torch.Tensor, k: int, negated: bool = False) -> torch.Tensor:
 
     # Sample about 200 n / k elements (see _sampled_threshold).
     stride = k // 200
-    if stride < 2 or n < _PREFILTER_MIN or a.device.type != "cpu" or 8 * k > n:
+    if stride < 2 or n < _PREFILTER_MIN or not devices.prefilters_selection(a) or 8 * k > n:
         return whole()
     sample = a[::stride]
     threshold = _sampled_threshold(-sample if negated else sample, k, n)
@@ -405,7 +405,7 @@ def top_k_abs(x: torch.Tensor, k: int) -> torch.Tensor:
     (a byte of output per element), with ones over n / GROUPS columns and the few columns that hit.
     """
     n = k // 200
-    if n < 2 or x.numel() < _PREFILTER_MIN or x.device.type != "cpu" or 8 * k > x.numel():
+    if n < 2 or x.numel() < _PREFILTER_MIN or not devices.prefilters_selection(x) or 8 * k > x.numel():
         return top_k(magnitudes(x), k)
     threshold = _sampled_threshold(x[::n].abs(), k, x.numel())
     candidates, found = _not_below_abs(x, threshold, with_magnitudes=True)
@@ -476,7 +476,7 @@ def random_positions(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
     rank).  The draws are int32 where n allows: sorting them takes two thirds of the time of int64's.
     """
     device = gen.device
-    if n < _PREFILTER_MIN or 16 * k > n or device.type != "cpu":  # randperm is fast on GPUs
+    if n < _PREFILTER_MIN or 16 * k > n or not devices.sorts_subset_draws(device):
         return torch.randperm(n, generator=gen, device=device)[:k]
     dtype = torch.int32 if n <= torch.iinfo(torch.int32).max else torch.int64
     distinct = torch.empty(0, dtype=dtype, device=device)

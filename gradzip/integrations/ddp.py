@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from .. import devices
 from ..state import GradzipState
 from .momentum_guard import guard_momentum
 
@@ -164,7 +165,7 @@ def _plain_allreduce(buffer: torch.Tensor, wire: torch.dtype, group) -> torch.fu
     # then cast: on CPUs a division writing fp16 directly takes twice as long as both.
     sent = buffer.to(wire)
     fut = dist.all_reduce(sent, group=group, async_op=True).get_future()
-    if buffer.is_cuda:
+    if devices.cuda(buffer):
         # Cast back into the bucket in one kernel, as PyTorch's fp16 hook does: DDP then copies each
         # gradient's slice within one dtype (a memcpy), where a half result would cost a casting
         # kernel per gradient (H200, a GPT of 101 tensors: 666 launches a step against 579).
