@@ -91,6 +91,8 @@ class _Bucket:
         self.views: dict[str, list] = {}  # each key's view of it (None: no such state), as in GradzipState.tensors
         self.skipped = DeferredFlag()
         self.input_at: Optional[tuple] = None  # (first data_ptr, last data_ptr) where the input is one run
+        # NaN and 1 on the device, to poison or keep the output by: no scalar made into a tensor each step
+        self.nan_or_one = torch.tensor([float("nan"), 1.0], device=layout.device).unbind()
 
     def flat_input(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
         """The gradients as one flat tensor: a view where they lie end to end in one buffer (DDP's
@@ -151,6 +153,13 @@ class _Bucket:
                 torch.where(bad, old, new, out=old)
 
 
+def _nonfinite(x: torch.Tensor) -> torch.Tensor:
+    """A device bool: whether any element of ``x`` is NaN or Inf (its largest magnitude is not below
+    infinity: NaN propagates through the norm and compares False), in three operations where
+    ``isfinite`` would take five."""
+    return torch.linalg.vector_norm(x, float("inf")).lt(float("inf")).logical_not_()
+
+
 def _one_run(grads: Sequence[torch.Tensor], layout: BucketLayout) -> bool:
     base, size = grads[0].data_ptr(), grads[0].element_size()
     return all(g.is_contiguous() and g.data_ptr() == base + offset * size for g, offset in zip(grads, layout.offsets))
@@ -201,9 +210,10 @@ class BucketRoute:
         b = BucketContext(layout, step=step, rank=state.rank, world_size=state.world_size, seed=state.seed,
                           state=entry.load(state.tensors, shapes), epoch=state.epoch,
                           scale=state.loss_scale(layout.device), input_spare=in_place)
-        local = torch.zeros((), dtype=torch.bool, device=layout.device)
         if not compressor.carries_nonfinite and layout.numel:
-            local = ~torch.isfinite(torch.linalg.vector_norm(flat_g, float("inf")))
+            local = _nonfinite(flat_g)
+        else:
+            local = torch.zeros((), dtype=torch.bool, device=layout.device)
         with kernels.suspended():  # eager operations only: no compile lands in a user's first step
             (result,), report = run_lockstep([_feedback.bucket_exchange(compressor, flat_g, b)], state.transport, local)
         aggregate = result.aggregate
@@ -211,9 +221,9 @@ class BucketRoute:
         if result.bound is not None:  # below half fp32's largest value, r rounded products stay finite
             bad = bad | ~(result.bound < _FLOAT32_MAX / 2)  # NaN compares False: bad
         elif aggregate.numel():
-            bad = bad | ~torch.isfinite(torch.linalg.vector_norm(aggregate, float("inf")))
+            bad = bad | _nonfinite(aggregate)
         report.nonfinite = bad  # a device bool: what a caller reading it (DiLoCo's outer step) must know
-        poison = torch.where(bad, float("nan"), 1.0)  # x * 1 == x for every x, NaN too
+        poison = torch.where(bad, *entry.nan_or_one)  # x * 1 == x for every x, NaN too
         entry.commit(b.updates, shapes, bad, state.tensors, spare=flat_g if in_place else None)  # before
         outputs = _write(aggregate, poison, out, flat_g if in_place else None, layout)  # the input is overwritten
         entry.skipped.set(bad)

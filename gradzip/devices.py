@@ -15,7 +15,7 @@ from typing import Union
 import torch
 
 __all__ = ["cuda", "host_memory", "reuses_buffers", "prefilters_selection", "draws_in_kernel", "decodes_by_table",
-           "packs_from_bytes", "sorts_subset_draws", "selects_by_bits", "reads_freely", "outer_by_products", "fuses_momentum"]
+           "packs_from_bytes", "sorts_subset_draws", "looks_up_rows_at_once", "selects_by_bits", "reads_freely", "outer_by_products", "fuses_momentum"]
 
 Where = Union[torch.Tensor, torch.device, str]
 
@@ -80,6 +80,13 @@ def sorts_subset_draws(where: Where) -> bool:
     rather than ``randperm(n)[:k]``, which costs O(n) on a CPU (over a second for 25M elements to keep
     1%); a GPU's ``randperm`` is fast."""
     return _type(where) == "cpu"
+
+
+def looks_up_rows_at_once(where: Where) -> bool:
+    """Whether a lookup of several table rows for the same indices (the five base-3 digits of each
+    packed byte) is one ``index_select`` along the table's columns (a GPU: one launch) rather than one
+    per row: on a CPU the former ran about four times slower (1M trits decoded in 2.5 ms against 0.6)."""
+    return _type(where) != "cpu"
 
 
 def selects_by_bits(where: Where) -> bool:

@@ -36,11 +36,35 @@ def test_the_pattern_finds_what_it_should():  # the check above cannot pass by m
     assert list(_library_files()) and not BRANCH.search("layout.dtype == torch.float32")
 
 
-@pytest.mark.parametrize("name", [n for n in devices.__all__ if n != "cuda"])
+#: Predicates that say where a GPU's form is taken (the others say where a CPU's is).
+GPU_FORMS = {"cuda", "looks_up_rows_at_once"}
+
+
+@pytest.mark.parametrize("name", [n for n in devices.__all__ if n not in GPU_FORMS])
 def test_every_cpu_fast_path_is_taken_on_a_cpu(name):
     predicate = getattr(devices, name)
     assert predicate(torch.zeros(1)) and predicate(torch.device("cpu")) and predicate("cpu")
     assert not predicate(torch.device("meta")) and not predicate("cuda")
+
+
+def test_one_lookup_for_every_row_is_a_gpu_form():
+    assert devices.looks_up_rows_at_once("cuda") and not devices.looks_up_rows_at_once(torch.zeros(1))
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 1001])
+def test_trits_decode_the_same_either_way(n, monkeypatch):
+    """Ternary signs decoded and voted by one lookup per byte (a GPU's form) or one per digit (a CPU's)."""
+    from gradzip.compressors.sign import decode_trits, encode_trits, vote_of_trits
+    gen = torch.Generator().manual_seed(n)
+    xs = [torch.randn(n, generator=gen).mul_(torch.randint(0, 2, (n,), generator=gen)) for _ in range(3)]
+    packed = [encode_trits(x) for x in xs]
+    results = []
+    for at_once in (False, True):
+        monkeypatch.setattr(devices, "looks_up_rows_at_once", lambda where: at_once)
+        results.append(([decode_trits(p, n) for p in packed], vote_of_trits(packed, (n,))))
+    (one, vote_one), (other, vote_other) = results
+    assert all(torch.equal(a, b) for a, b in zip(one, other)) and torch.equal(vote_one, vote_other)
+    assert torch.equal(one[0], torch.sign(xs[0]).to(torch.int8))  # and they are the signs
 
 
 def test_cuda_is_cuda():

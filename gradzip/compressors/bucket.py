@@ -191,12 +191,22 @@ def pack_signs(x: torch.Tensor) -> torch.Tensor:
 def signed_(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """``x * unpack_signs(packed, x.numel())`` into the flat float ``x`` (returned), the +-1 as int8:
     a quarter of a float32 temporary.  Exact, -0.0 included, as the product with float +-1."""
-    return x.mul_(bits_of(packed, x.numel()).to(torch.int8).mul_(2).sub_(1))
+    return x.mul_(_two_b_minus_one(bits_of(packed, x.numel()).view(torch.int8)))
 
 
 def unpack_signs(packed: torch.Tensor, n: int) -> torch.Tensor:
     """Inverse of :func:`pack_signs`: n float32 values +1.0 (bit 1) or -1.0 (bit 0)."""
-    return bits_of(packed, n).to(torch.float32).mul_(2).sub_(1)  # exact: 2b - 1
+    return _two_b_minus_one(bits_of(packed, n), torch.float32)
+
+
+def _two_b_minus_one(bits: torch.Tensor, dtype: torch.dtype = None) -> torch.Tensor:
+    """2 b - 1 for bits b in {0, 1}, exact, in ``dtype`` (default: the bits'), one operation: -1 + 2 b."""
+    return torch.add(_minus_one(bits.device, dtype or bits.dtype), bits, alpha=2)
+
+
+@functools.lru_cache(maxsize=16)
+def _minus_one(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    return torch.tensor(-1, dtype=dtype, device=device)
 
 
 def bits_of(packed: torch.Tensor, n: int) -> torch.Tensor:

@@ -632,18 +632,22 @@ def _natural_encode(flat, draws):
 def _natural_codes(flat, u):
     """Natural compression's uint8 codes of the contiguous float32 ``flat`` given a uniform u_i per
     element, read off the fp32 bit pattern: the same codes as :meth:`Natural.compress`."""
-    # In place where it can be: run eagerly (the bucket route on a CPU) each new temporary is a bucket's
-    # worth of memory; in a fused kernel it costs nothing either way.
+    # In place where it can be: run eagerly (the bucket route) each new temporary is a bucket's worth of
+    # memory, so the exponent is int16 there (8 bits; e below stays under 2^8) and the mantissa converted
+    # in its own memory, element by element.  Compiled, temporaries cost nothing, and that form doubled
+    # the fused kernel's time (a CPU, 25M elements: the exchange 88 ms against 42 with the plain form).
+    eager = not torch.compiler.is_compiling()
     bits = flat.view(torch.int32)
-    biased = (bits >> 23).bitwise_and_(0xFF).to(torch.int16)  # 8 bits: e below stays under 2^8 too
+    biased = (bits >> 23).bitwise_and_(0xFF)
+    biased = biased.to(torch.int16) if eager else biased
     tiny = biased < 64
     p = bits & 0x7FFFFF
-    p = p.view(torch.float32).copy_(p).mul_(2.0**-23)  # converted in its own memory, element by element
+    p = (p.view(torch.float32).copy_(p) if eager else p.to(torch.float32)).mul_(2.0**-23)
     torch.where(tiny, flat.abs().mul_(2.0**63), p, out=p)
     up = u < p
     del p, u, tiny
     e = (biased - 63).clamp_(min=0).add_(up).clamp_(max=127)
-    e.bitwise_or_((bits < 0).logical_and_(e > 0).to(torch.int16).bitwise_left_shift_(7))
+    e.bitwise_or_((bits < 0).logical_and_(e > 0).to(e.dtype).bitwise_left_shift_(7))
     return e.masked_fill_(biased == 0xFF, Natural._NONFINITE).to(torch.uint8)
 
 

@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from .. import kernels
+from .. import devices, kernels
 from ..bits import pack_bits, packed_nbytes, select, unpack_bits
 from .bucket import SizeClass, bits_of, pack_signs, signed_, unpack_signs
 from .base import (AllGather, Exchanged, GatheredCompressor, TensorContext, chunked_sum, column_counts, compare,
@@ -195,11 +195,13 @@ def encode_trits(x: torch.Tensor) -> torch.Tensor:
     signs = torch.sign(flat, out=workspace("trits.sign", n, flat.dtype, device))
     codes[:n].view(torch.int8).copy_(signs)
     codes[:n].add_(1)
-    planes = codes.view(TRITS_PER_BYTE, m)
-    packed = planes[-1].clone()
-    for j in range(TRITS_PER_BYTE - 2, -1, -1):  # Horner: ((c4 3 + c3) 3 + ...) 3 + c0
-        packed.mul_(3).add_(planes[j])
-    return packed
+    # sum_j 3^j c_j over the planes in two operations (c_j 3^j <= 162, the sum <= 242: exact in uint8)
+    return codes.view(TRITS_PER_BYTE, m).mul(_powers_of_3(device)).sum(0, dtype=torch.uint8)
+
+
+@functools.lru_cache(maxsize=16)
+def _powers_of_3(device: torch.device) -> torch.Tensor:
+    return torch.tensor([[3**j] for j in range(TRITS_PER_BYTE)], dtype=torch.uint8, device=device)
 
 
 @functools.lru_cache(maxsize=16)
@@ -210,9 +212,17 @@ def _trit_table(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _add_trits(out: torch.Tensor, packed: torch.Tensor, add: bool) -> None:
-    """Write (``add=False``) or add the decoded signs of ``packed`` into the integer ``out`` (5m elements)."""
+    """Write (``add=False``) or add the decoded signs of ``packed`` into the integer ``out`` (5m elements):
+    every byte's five digits, plane by plane, by one lookup along the table's columns."""
+    planes = out.view(TRITS_PER_BYTE, -1)
     table, index = _trit_table(packed.device, out.dtype), packed.int()
-    for digits, plane in zip(table, out.view(TRITS_PER_BYTE, -1)):
+    if devices.looks_up_rows_at_once(packed):
+        if add:
+            planes.add_(table.index_select(1, index))
+        else:
+            torch.index_select(table, 1, index, out=planes)
+        return
+    for digits, plane in zip(table, planes):
         if add:
             plane.add_(torch.index_select(digits, 0, index))
         else:
@@ -281,9 +291,10 @@ def _trit_vote_planes(out, inv_powers, scale, *packed):
 # -- the bucket route's shared pieces ----------------------------------------------------------------------
 
 
-def _scaled_signs(scales: torch.Tensor, packed: torch.Tensor, layout) -> torch.Tensor:
-    """One rank's per-tensor scale times the +-1 signs of its packed bits, over the whole bucket (flat)."""
-    return signed_(layout.per_element(scales), packed)
+def _scaled_signs(scales: torch.Tensor, packed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """One rank's per-tensor scale times the +-1 signs of its packed bits, over the whole bucket (flat),
+    the scales spread by ``index`` (:meth:`BucketLayout.segment_index`)."""
+    return signed_(scales.index_select(0, index), packed)
 
 
 def _bits_bytes(ctx: TensorContext) -> int:
@@ -722,13 +733,13 @@ class EFSignSGD(GatheredCompressor):
         layout = b.layout
         scales = layout.segment_sum(p.abs()).div_(layout.lengths.clamp(min=1))
         gathered = yield AllGather((scales, pack_signs(p)))
-        total = None
+        total, index = None, layout.segment_index()  # one index spreads every rank's scales
         for scale, packed in gathered:  # rank order, as exchange() sums the ranks' deltas
-            delta = _scaled_signs(scale, packed, layout)
+            delta = _scaled_signs(scale, packed, index)
             total = delta if total is None else total.add_(delta)
         own = gathered[b.rank]
         bound = torch.stack([scale.abs().amax() if scale.numel() else scale.new_zeros(()) for scale, _ in gathered]).sum()
-        return Exchanged(total.div_(b.world_size), lambda: _scaled_signs(*own, layout), bound=bound)
+        return Exchanged(total.div_(b.world_size), lambda: _scaled_signs(*own, index), bound=bound)
 
     def bucket_payload_bytes(self, layout):
         return 4 * len(layout) + packed_nbytes(layout.numel, 1)
