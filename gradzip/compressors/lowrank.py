@@ -264,8 +264,9 @@ def _orthogonalized(a: torch.Tensor, epsilon: float) -> torch.Tensor:
     for i in range(a.shape[2]):
         col = a[:, :, i:i + 1]
         col /= torch.linalg.vector_norm(col, dim=1, keepdim=True) + epsilon
-        rest = a[:, :, i + 1:]
-        rest -= col * torch.bmm(col.transpose(1, 2), rest)
+        if i + 1 < a.shape[2]:  # the last column has nothing after it: three dispatches saved
+            rest = a[:, :, i + 1:]
+            rest -= col * torch.bmm(col.transpose(1, 2), rest)
     return a
 
 
