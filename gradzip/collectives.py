@@ -278,7 +278,9 @@ class _Phase:
         longest = max(sum(row) for row in size_rows) + extra
         mine = [_as_bytes(f) for f in fields]
         if flag is not None:
-            mine.append(flag.to(dtype=torch.uint8, device=device).reshape(1))
+            # a device bool is its own byte (0 or 1): viewed, not converted
+            mine.append((flag.view(torch.uint8) if flag.dtype == torch.bool and flag.device == device
+                         else flag.to(dtype=torch.uint8, device=device)).reshape(1))
         pad = longest - sum(sizes) - extra
         if pad:
             mine.append(torch.zeros(pad, dtype=torch.uint8, device=device))
@@ -290,7 +292,7 @@ class _Phase:
             outs = [self._buffer(f"allgather{r}", longest, torch.uint8, device) for r in range(self.t.world_size)]
             gathered = self._timed(self.t.allgather, buf) if outs[0] is None else self._timed(self.t.allgather_into, buf, outs)
             if flag is not None and self.device_flag:
-                flag_out = torch.stack([g[sum(row)] for g, row in zip(gathered, size_rows)]).gt(0).any()
+                flag_out = torch.stack([g[sum(row)] for g, row in zip(gathered, size_rows)]).amax().view(torch.bool)
             elif flag is not None:
                 flag_out = any(bool(g[sum(row)] > 0) for g, row in zip(gathered, size_rows))
         else:
