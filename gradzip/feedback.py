@@ -385,9 +385,9 @@ def bucket_exchange(compressor: Compressor, g: torch.Tensor, b) -> Exchange:
 
 def _none_where_whole(compressor: Compressor, b, state: torch.Tensor) -> torch.Tensor:
     """``state`` zeroed (the route's "nothing kept") over the tensors that the compressor sent whole
-    (``compressor.bucket_sent_whole(layout)``: a bool over the bucket, or None), which keep no state."""
+    (``compressor.bucket_sent_whole(layout)``: their positions, or None), which keep no state."""
     whole = compressor.bucket_sent_whole(b.layout)
-    return state if whole is None else state.masked_fill_(whole, 0.0)
+    return state if whole is None else state.index_fill_(0, whole, 0.0)
 
 
 def _withdrawing_overlapping_out(run):

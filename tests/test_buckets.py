@@ -490,3 +490,25 @@ def test_stacked_rows_are_a_view_where_the_tensors_are_equally_spaced():
         rows = layout.stacked(flat, members)
         assert torch.equal(rows, torch.stack([parts[i] for i in members])), members
         assert (rows.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()) == view, members
+
+
+@pytest.mark.parametrize("shapes", [SHAPES, [(4, 3), (3,), (4, 3), (2, 2, 3), (1,), (0,), (1, 5), (5, 1), (4, 3)],
+                                    [(7,)], [(0,), (2, 6)], [(3, 3)] * 4])
+def test_one_bit_column_index_is_each_elements_column(shapes):
+    """1-bit SGD's column of every element, rebuilt each exchange from O(rows) numbers: the same as
+    numbering the columns group by group (a group: one matrix shape) and looking each element up."""
+    from gradzip.compressors.sign import OneBit, _columns
+    layout = BucketLayout([f"t{i}" for i in range(len(shapes))], [torch.Size(s) for s in shapes], torch.float32,
+                          torch.device("cpu"))
+    groups, columns, plan = _columns(layout)
+    expected = torch.full((layout.numel,), -1, dtype=torch.int64)
+    first = 0
+    for size, rows, cols in groups:
+        for i in size.members:
+            at = layout.offsets[i]
+            expected[at:at + size.numel] = first + torch.arange(size.numel) % cols
+            first += cols
+    assert first == columns and bool((expected >= 0).all())
+    index = plan.column_index()
+    assert index.dtype == torch.int32 and torch.equal(index.long(), expected)
+    assert all(OneBit.matrix_shape(layout.shapes[i]) == (rows, cols) for size, rows, cols in groups for i in size.members)

@@ -456,9 +456,9 @@ class Compressor:
         raise NotImplementedError
 
     def bucket_sent_whole(self, layout) -> Optional[torch.Tensor]:
-        """On the bucket route, the elements of the tensors this method sends whole (uncompressed: DGC's
-        vectors and small tensors), a bool tensor over the bucket, which error feedback keeps no state
-        for; None (the default): every tensor is compressed."""
+        """On the bucket route, the positions (int64) of the elements of the tensors this method sends
+        whole (uncompressed: DGC's vectors and small tensors), which error feedback keeps no state for;
+        None (the default): every tensor is compressed."""
         return None
 
     def bucket_payload_bytes(self, layout) -> int:

@@ -398,7 +398,7 @@ class OneBit(GatheredCompressor):
         cols); each element decodes to its column's a_j (bit 1) or b_j.  Wire: the bucket's a's, then its
         b's, fp32, 8 bytes per column of its non-empty tensors, and its bits together, ceil(n / 8)."""
         layout, world = b.layout, b.world_size
-        groups, columns, index = _columns(layout)
+        groups, columns, plan = _columns(layout)
         pos_means, neg_means = [], []
         for size, rows, cols in groups:
             M = layout.rows(p, size).view(-1, rows, cols)
@@ -409,11 +409,16 @@ class OneBit(GatheredCompressor):
         means = torch.cat(pos_means + neg_means) if groups else p.new_empty(0)  # a bucket of empty tensors
         gathered = yield AllGather((means, pack_signs(p)))
 
+        at = plan.column_index().mul_(2).add_(1)  # 2 j + 1 for an element of column j
+
         def decoded(fields):
-            # One gather from the (a_j, b_j) pairs, at 2 j + 1 - bit: a bucket's floats once, not three times.
+            # One gather from the (a_j, b_j) pairs, at 2 j + 1 - bit: a bucket's floats once, not three
+            # times; the bits taken off the index and put back, exactly, rather than a new index per rank.
             pairs = fields[0].view(2, columns).t().reshape(-1)
-            at = index.mul(2).add_(1).sub_(bits_of(fields[1], layout.numel))
-            return pairs.index_select(0, at)
+            bits = bits_of(fields[1], layout.numel)
+            values = pairs.index_select(0, at.sub_(bits))
+            at.add_(bits)
+            return values
 
         total = decoded(gathered[0])
         for fields in gathered[1:]:  # rank order, as exchange() adds the decoded tensors
@@ -430,14 +435,15 @@ _COLUMNS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _columns(layout) -> tuple:
-    """1-bit SGD's columns of a bucket: (groups, columns, index).  ``groups``: the non-empty tensors of
+    """1-bit SGD's columns of a bucket: (groups, columns, plan).  ``groups``: the non-empty tensors of
     one matrix shape, as (SizeClass, rows, cols); ``columns``: their number of columns in all, in group
-    order, a group's members one after another; ``index``: per element of the bucket, its column's
-    place in that order (on the device).  Built by a loop over the tensors, once per layout."""
+    order, a group's members one after another; ``plan``: a :class:`_ColumnIndex`, which gives each
+    element of the bucket its column's place in that order.  Built by a loop over the tensors, once per
+    layout."""
     cached = _COLUMNS.get(layout)
     if cached is not None:
         return cached
-    groups, index, columns = [], torch.zeros(layout.numel, dtype=torch.int64), 0
+    groups, first_column, columns = [], {}, 0
     for size in layout.classes:
         shapes: dict = {}
         for i in size.members:
@@ -445,13 +451,51 @@ def _columns(layout) -> tuple:
         for (rows, cols), members in shapes.items():
             starts = torch.tensor([layout.offsets[i] for i in members], dtype=torch.int64, device=layout.device)
             groups.append((SizeClass(size.numel, tuple(members), starts), rows, cols))
-            within = torch.arange(size.numel) % cols
             for j, i in enumerate(members):
-                index[layout.offsets[i]:layout.offsets[i] + size.numel] = columns + j * cols + within
+                first_column[i] = (columns + j * cols, cols)
             columns += len(members) * cols
-    dtype = torch.int32 if columns < 2**31 else torch.int64
-    cached = _COLUMNS[layout] = (tuple(groups), columns, index.to(device=layout.device, dtype=dtype))
+    cached = _COLUMNS[layout] = (tuple(groups), columns, _ColumnIndex(layout, first_column, columns))
     return cached
+
+
+class _ColumnIndex:
+    """Each element's column (int32 if the columns allow) over a bucket, rebuilt at every exchange from
+    a description of O(rows) numbers rather than kept: a kept index would hold a copy of the bucket (in
+    int32) for every bucket of the model.  Along the bucket an element's column is the previous one's
+    plus 1 within a matrix's row, plus 0 within a vector (one column), and a jump at each row's first
+    element; so the index is a cumulative sum of those steps, the steps themselves a cumulative sum of
+    the step's changes at the tensors' starts, with the jumps written over them."""
+
+    def __init__(self, layout, first_column: dict, columns: int):
+        device = layout.device
+        self.numel, self.dtype = layout.numel, torch.int32 if columns < 2**31 else torch.int64
+        changes_at, changes, jumps_at, jumps = [], [], [], []
+        step, previous = 0, 0  # the step inside the tensor before, and the last element's column
+        for i in sorted(first_column, key=lambda i: layout.offsets[i]):  # bucket order
+            base, cols = first_column[i]
+            offset, n = layout.offsets[i], layout.numels[i]
+            inside = 1 if cols > 1 else 0
+            if inside != step:
+                changes_at.append(offset)
+                changes.append(inside - step)
+                step = inside
+            if cols > 1:  # a row's first element: from the last column of the row before to this one's first
+                starts = torch.arange(offset, offset + n, cols)
+                jumps_at.append(starts)
+                jumps.append(torch.cat([torch.tensor([base - previous]), torch.full((len(starts) - 1,), 1 - cols)]))
+            else:
+                jumps_at.append(torch.tensor([offset]))
+                jumps.append(torch.tensor([base - previous]))
+            previous = base + cols - 1
+        self.changes_at = torch.tensor(changes_at, dtype=torch.int64, device=device)
+        self.changes = torch.tensor(changes, dtype=self.dtype, device=device)
+        self.jumps_at = torch.cat(jumps_at).to(device) if jumps_at else self.changes_at[:0]
+        self.jumps = torch.cat(jumps).to(device=device, dtype=self.dtype) if jumps else self.changes[:0]
+
+    def column_index(self) -> torch.Tensor:
+        steps = torch.zeros(self.numel, dtype=self.dtype, device=self.jumps.device)
+        steps.index_put_((self.changes_at,), self.changes).cumsum_(0)
+        return steps.index_put_((self.jumps_at,), self.jumps).cumsum_(0)
 
 
 class _SignVote(GatheredCompressor):

@@ -888,9 +888,9 @@ class DGC(MaskedBucket, Sparsifier):
     bucketed = True
 
     def bucket_sent_whole(self, layout) -> Optional[torch.Tensor]:
-        """The elements of the tensors sent whole (dim <= 1 or fewer than ``min_numel`` elements), a
-        bool over the bucket, built once per layout; None where every tensor is compressed."""
-        return _whole_tensors(layout, self.min_numel)[0]
+        """The positions of the elements of the tensors sent whole (dim <= 1 or fewer than ``min_numel``
+        elements), built once per layout; None where every tensor is compressed."""
+        return _whole_tensors(layout, self.min_numel)
 
     def bucket_exchange(self, p, b):
         """Per tensor the selection of :meth:`select`, for the whole bucket at once (:meth:`_bucket_mask`),
@@ -899,11 +899,11 @@ class DGC(MaskedBucket, Sparsifier):
         lowered thresholds).  The tensors sent whole are first averaged by one allreduce of x / N in
         the gradient's dtype, as feedback.py's dense path does per tensor.  Wire: their n_whole *
         dtype bytes + 8 + K * (value bytes + index bytes), or + 8 + n * value bytes."""
-        whole, at = _whole_tensors(b.layout, self.min_numel)
+        at = _whole_tensors(b.layout, self.min_numel)
         passed = self._bucket_mask(p, b)
         dense = None
-        if whole is not None:
-            passed.masked_fill_(whole, False)
+        if at is not None:
+            passed.index_fill_(0, at, False)
             values = p.index_select(0, at)
             dense = yield AllReduce((values if b.world_size == 1 else values / b.world_size).to(b.layout.dtype))
         kept = self.__dict__.setdefault("_bucket_kept", {})
@@ -950,17 +950,15 @@ def _compressed(shape: torch.Size, min_numel: int) -> bool:
 _WHOLE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _whole_tensors(layout, min_numel: int) -> tuple:
-    """(bool over the bucket, int64 positions) of the elements of the tensors DGC sends whole, built
-    once per layout; (None, None) where it compresses every tensor."""
+def _whole_tensors(layout, min_numel: int) -> Optional[torch.Tensor]:
+    """The int64 positions of the elements of the tensors DGC sends whole (vectors and small tensors:
+    a small share of a bucket, kept rather than a bool over all of it), built once per layout; None
+    where it compresses every tensor."""
     cached = _WHOLE.setdefault(layout, {})
     if min_numel not in cached:
-        whole = torch.zeros(layout.numel, dtype=torch.bool)
-        for shape, start, n in zip(layout.shapes, layout.offsets, layout.numels):
-            if not _compressed(shape, min_numel):
-                whole[start:start + n] = True
-        cached[min_numel] = (None, None) if not bool(whole.any()) else \
-            (whole.to(layout.device), torch.from_numpy(np.flatnonzero(whole.numpy())).to(layout.device))
+        runs = [torch.arange(start, start + n) for shape, start, n in zip(layout.shapes, layout.offsets, layout.numels)
+                if n and not _compressed(shape, min_numel)]
+        cached[min_numel] = torch.cat(runs).to(layout.device) if runs else None
     return cached[min_numel]
 
 
