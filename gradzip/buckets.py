@@ -207,9 +207,10 @@ class BucketRoute:
         # Where the aggregate goes back into the input's own run (DDP's bucket), the input's memory is
         # the exchange's to use until then.
         in_place = out is not None and entry.input_at is not None and all(o is g for o, (_, g) in zip(out, named_grads))
+        spare = in_place and layout.dtype == torch.float32  # only a float32 input's memory holds p = g + e
         b = BucketContext(layout, step=step, rank=state.rank, world_size=state.world_size, seed=state.seed,
                           state=entry.load(state.tensors, shapes), epoch=state.epoch,
-                          scale=state.loss_scale(layout.device), input_spare=in_place)
+                          scale=state.loss_scale(layout.device), input_spare=spare)
         if not compressor.carries_nonfinite and layout.numel:
             local = _nonfinite(flat_g)
         else:

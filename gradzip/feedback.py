@@ -215,7 +215,7 @@ class MomentumCorrection(Feedback):
         (:func:`_none_where_whole`) keep no velocity, and their momentum is not masked (their sent
         positions are not in ``sparse``/``mask``)."""
         layout, m, scale = b.layout, self.momentum, b.scale
-        spare = b.input_spare and g.dtype == torch.float32  # g's memory may take v (see BucketContext)
+        spare = b.input_spare  # g's memory may take v (see BucketContext)
         g = g.float()
         if self.clip_norm is not None:
             limit = self.clip_norm * b.world_size ** -0.5
@@ -375,10 +375,9 @@ def bucket_exchange(compressor: Compressor, g: torch.Tensor, b) -> Exchange:
     if isinstance(scheme, MomentumCorrection):
         return (yield from scheme.bucket_exchange(compressor, g, b))
     e = b.get("residual")
-    spare = b.input_spare and g.dtype == torch.float32
-    p = g.float() if e is None else add_scaled(g, e, b.scale, out=g if spare else None)
+    p = g.float() if e is None else add_scaled(g, e, b.scale, out=g if b.input_spare else None)
     result = yield from compressor.bucket_exchange(p, b)
-    e = _minus_sent(p, result, own=e is not None or g.dtype != torch.float32 or spare)
+    e = _minus_sent(p, result, own=e is not None or g.dtype != torch.float32 or b.input_spare)
     b.set("residual", unscale_(_none_where_whole(compressor, b, e), b.scale))
     return result
 

@@ -216,17 +216,14 @@ def _add_trits(out: torch.Tensor, packed: torch.Tensor, add: bool) -> None:
     every byte's five digits, plane by plane, by one lookup along the table's columns."""
     planes = out.view(TRITS_PER_BYTE, -1)
     table, index = _trit_table(packed.device, out.dtype), packed.int()
-    if devices.looks_up_rows_at_once(packed):
+    # (table, dim, target): all five planes at once, or digit by digit
+    lookups = [(table, 1, planes)] if devices.looks_up_rows_at_once(packed) else \
+        [(digits, 0, plane) for digits, plane in zip(table, planes)]
+    for source, dim, target in lookups:
         if add:
-            planes.add_(table.index_select(1, index))
+            target.add_(torch.index_select(source, dim, index))
         else:
-            torch.index_select(table, 1, index, out=planes)
-        return
-    for digits, plane in zip(table, planes):
-        if add:
-            plane.add_(torch.index_select(digits, 0, index))
-        else:
-            torch.index_select(digits, 0, index, out=plane)
+            torch.index_select(source, dim, index, out=target)
 
 
 def decode_trits(packed: torch.Tensor, n: int) -> torch.Tensor:
