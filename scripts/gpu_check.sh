@@ -10,6 +10,10 @@ set -euo pipefail
 OUT_DIR=${OUT:-/tmp/gradzip_gpu}
 GPU_TESTS=${GPU_TESTS:-"sync_debug or bucket"}
 PYTHON=${PYTHON:-python}
+STEP_ARGS=${STEP_ARGS:-}          # more options for bench step, e.g. "--steps 15 --warmup 2 --profile-steps 1"
+STEP_TIMEOUT=${STEP_TIMEOUT:-240}
+TESTS_TIMEOUT=${TESTS_TIMEOUT:-90}
+ISSUE_METHODS=${ISSUE_METHODS:-}  # e.g. topk,qsgd: bench step again with GRADZIP_ISSUE=inline (thread vs hook)
 mkdir -p "$OUT_DIR"
 export PYTHONPATH=${PYTHONPATH:-.}
 
@@ -23,13 +27,13 @@ step_rc=0; start=$SECONDS
 STEP_METHODS=${STEP_METHODS:-ddp,torch-fp16,torch-bf16,torch-powersgd,none,fp16,bf16,topk,qsgd,efsignsgd,powersgd,dgc}
 [ "$STEP_METHODS" = all ] && STEP_METHODS=
 echo "== gradzip bench step (DDP, PyTorch's hooks, gradzip methods: ${STEP_METHODS:-all}) =="
-timeout 240 "$PYTHON" -m gradzip bench step --device cuda ${STEP_METHODS:+--methods "$STEP_METHODS"} --json "$OUT_DIR/step.json" 2>&1 \
+timeout "$STEP_TIMEOUT" "$PYTHON" -m gradzip bench step --device cuda $STEP_ARGS ${STEP_METHODS:+--methods "$STEP_METHODS"} --json "$OUT_DIR/step.json" 2>&1 \
   | tee "$OUT_DIR/step.log" || step_rc=$?
 step_s=$((SECONDS - start)); start=$SECONDS
 
 echo "== GPU tests: -k \"$GPU_TESTS\" =="
 tests_rc=0
-timeout 90 "$PYTHON" -m pytest -q -x tests/stacks/test_gpu.py -k "$GPU_TESTS" 2>&1 \
+timeout "$TESTS_TIMEOUT" "$PYTHON" -m pytest -q --maxfail=25 tests/stacks/test_gpu.py -k "$GPU_TESTS" 2>&1 \
   | tee "$OUT_DIR/gpu_tests.log" || tests_rc=$?
 tests_s=$((SECONDS - start)); start=$SECONDS
 
@@ -38,6 +42,12 @@ kernels_rc=0
 timeout 90 "$PYTHON" -m gradzip bench kernels --device cuda --workloads flat --repeat 3 --no-selection --no-alone \
   --json "$OUT_DIR/kernels.json" 2>&1 | tee "$OUT_DIR/kernels.log" || kernels_rc=$?
 kernels_s=$((SECONDS - start))
+
+if [ -n "$ISSUE_METHODS" ]; then
+  echo "== bench step with each bucket's work issued from DDP's hook (GRADZIP_ISSUE=inline): $ISSUE_METHODS =="
+  GRADZIP_ISSUE=inline timeout 90 "$PYTHON" -m gradzip bench step --device cuda $STEP_ARGS --methods "ddp,$ISSUE_METHODS" \
+    --json "$OUT_DIR/step_inline.json" 2>&1 | tee "$OUT_DIR/step_inline.log" || true
+fi
 
 echo "exit codes (124: timed out): bench step $step_rc in ${step_s} s, GPU tests $tests_rc (5: none selected)" \
   "in ${tests_s} s, bench kernels $kernels_rc in ${kernels_s} s" \
