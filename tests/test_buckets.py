@@ -464,6 +464,28 @@ def test_spreading_per_tensor_and_per_chunk_values_over_the_elements(shapes):
         assert torch.equal(layout.per_chunk(per_chunk, size), per_chunk.repeat_interleave(lengths)), size
 
 
+@pytest.mark.parametrize("shapes", [[(5, 3), (0,), (7,), (), (4, 4)], [(0,)], [(0,), (3,)],
+                                    [(40_000,), (0,), (16_384,), (16_385,), (2,)]])
+def test_per_tensor_reductions_cut_long_tensors_into_pieces(shapes):
+    """BucketLayout.reduce: per tensor its sum or max (at least 0; 0 for an empty tensor), where no
+    first-level segment is longer than PIECE (one GPU block each), and counts exact in float64."""
+    from gradzip.compressors.bucket import PIECE
+    layout = BucketLayout([f"t{i}" for i in range(len(shapes))], shapes, torch.float32, torch.device("cpu"))
+    values = torch.randn(layout.numel, generator=torch.Generator().manual_seed(0))
+    parts = torch.split(values, layout.numels)
+    sums = torch.stack([p.double().sum() for p in parts]).float() if parts else torch.zeros(0)
+    torch.testing.assert_close(layout.reduce(values), sums, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(layout.segment_sum(values.half()), layout.reduce(values.half().float()))
+    maxes = torch.stack([p.max().clamp(min=0) if p.numel() else torch.tensor(0.0) for p in parts])
+    assert torch.equal(layout.reduce(values, "max"), maxes)
+    counts = layout.reduce(values.ge(0).float(), total=torch.float64)
+    assert counts.dtype == torch.float64 and torch.equal(counts, torch.tensor([float(p.ge(0).sum()) for p in parts],
+                                                                              dtype=torch.float64))
+    pieces, per_tensor = layout._pieces
+    assert all(0 < n <= PIECE for n in pieces.tolist()) and int(pieces.sum()) == layout.numel
+    assert per_tensor.tolist() == [-(-n // PIECE) for n in layout.numels]
+
+
 def test_lowbias32_is_the_unsigned_hash():
     """kernels.lowbias32_ against the hash written with Python's unbounded integers."""
     def reference(v):

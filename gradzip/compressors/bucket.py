@@ -23,6 +23,10 @@ from .base import StagedContext, _stable_hash
 
 __all__ = ["BucketLayout", "BucketContext", "SizeClass", "pack_signs", "unpack_signs", "signed_", "bits_of"]
 
+#: Most elements one block of :meth:`BucketLayout.reduce`'s first level reduces: 64 KiB of float32, so a
+#: 25M-element tensor is about 1,500 blocks.
+PIECE = 1 << 14
+
 
 @dataclass(frozen=True)
 class SizeClass:
@@ -90,10 +94,29 @@ class BucketLayout:
 
     def segment_sum(self, values: torch.Tensor) -> torch.Tensor:
         """Per tensor, the float32 sum of its elements of the flat ``values`` (0 for an empty tensor)."""
+        return self.reduce(values.float() if values.dtype != torch.float32 else values, "sum")
+
+    def reduce(self, values: torch.Tensor, how: str = "sum", total: torch.dtype = None) -> torch.Tensor:
+        """Per tensor, the ``how`` ("sum" or "max", at least 0) of its elements of the flat ``values``, in
+        their dtype or ``total`` (0 for an empty tensor): over pieces of at most :data:`PIECE` elements
+        (exact counts in float32), then over each tensor's pieces.  CUB's segmented reduction (``segment_reduce`` on CUDA) gives each segment
+        one thread block, so a tensor of millions of elements reduced whole would occupy one of the
+        GPU's hundred-odd multiprocessors for milliseconds; cut into pieces, all of them take part."""
+        pieces, counts = self._pieces
+        if not pieces.numel():  # segment_reduce takes no empty lengths
+            return values.new_zeros(len(self), dtype=total)
         # unsafe: the lengths are the layout's own, so their checks, which read them back from the
         # device (a host sync on CUDA), are skipped
-        return torch.segment_reduce(values.float() if values.dtype != torch.float32 else values, "sum",
-                                    lengths=self.lengths, unsafe=True)
+        first = torch.segment_reduce(values, how, lengths=pieces, unsafe=True, initial=0.0)
+        if total is not None:
+            first = first.to(total)
+        return torch.segment_reduce(first, how, lengths=counts, unsafe=True, initial=0.0)
+
+    @functools.cached_property
+    def _pieces(self) -> tuple:
+        """The lengths of the pieces :meth:`reduce` cuts the tensors into, and how many each tensor has."""
+        return (self.chunk_lengths(PIECE),
+                torch.tensor([-(-n // PIECE) for n in self.numels], dtype=torch.int64, device=self.device))
 
     def per_element(self, per_tensor: torch.Tensor) -> torch.Tensor:
         """A per-tensor quantity repeated over each tensor's elements: a flat tensor of ``numel``.

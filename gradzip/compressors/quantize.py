@@ -592,7 +592,7 @@ class TernGrad(Compressor):
             bound = layout.per_element(sigma.mul_(self.clip))
             g = torch.clamp(p, max=bound).clamp_(min=bound.neg_())  # bound >= 0: clamp(p, -bound, bound)
             del bound
-        s_local = _segment(g.abs(), "max", layout.lengths)
+        s_local = layout.reduce(g.abs(), "max")
         s = yield AllReduce(s_local, op="max")
         # s == 0 means g == 0 in that tensor: the clamp turns 0/0 into probability 0 instead of NaN (and
         # the trits there are 0, so the aggregate, t * tiny, is still 0).

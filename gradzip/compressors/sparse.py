@@ -980,7 +980,7 @@ class _DGCPlan:
     sample's min(r 2^j, s)-th largest value once sorted, r = ceil(density s), for a sample of s = W
     (full) or W - 1 (short).  ``enough``: per retry and tensor, ceil(lower_bound k) (float64), -inf at
     the last retry (taken when none before passed enough).  ``k``: per tensor, ceil(density n) (float64).
-    ``lengths``: the layout's tensor lengths (the segments of :func:`_counts_at_least`).
+    ``layout``: the bucket's layout (whose tensors :func:`_counts_at_least` counts over).
     ``classes``: (members, k, starts as a column) of each size class with a compressed tensor.
     ``true``: a 0-d True to write with.
     """
@@ -1011,7 +1011,7 @@ class _DGCPlan:
         self.last_slot = device(last_slot)
         self.ranks_full, self.ranks_short = device(full).T.contiguous(), device(short).T.contiguous()
         self.enough, self.k = device(enough, torch.float64).T.contiguous(), device(ks, torch.float64)
-        self.lengths = layout.lengths
+        self.layout = layout
         self.classes = [(size.members, math.ceil(density * size.numel), size.starts.view(-1, 1))
                         for size in layout.classes
                         if any(_compressed(layout.shapes[i], min_numel) for i in size.members)]
@@ -1061,10 +1061,10 @@ def _counts_at_least(absp: torch.Tensor, thresholds: torch.Tensor, plan: _DGCPla
                      index: torch.Tensor) -> torch.Tensor:
     """Per threshold (rows) and tensor (columns), how many of the tensor's elements of ``absp`` are >=
     it: row by row (R + 1 of them: a bucket's worth of memory at a time, not R + 1), each row spread
-    over the elements by ``index`` (:meth:`BucketLayout.segment_index`), compared, and counted by a 1-D
-    segmented sum (float64: exact counts; CUB's segmented reduction on CUDA)."""
-    counts = [torch.segment_reduce(torch.ge(absp, row.index_select(0, index)).double(), "sum",
-                                   lengths=plan.lengths, unsafe=True) for row in thresholds]
+    over the elements by ``index`` (:meth:`BucketLayout.segment_index`), compared, and counted by a
+    segmented sum (exact: float32 within a piece, float64 over a tensor's pieces)."""
+    counts = [plan.layout.reduce(torch.ge(absp, row.index_select(0, index)).float(), total=torch.float64)
+              for row in thresholds]
     return torch.stack(counts)
 
 

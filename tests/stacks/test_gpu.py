@@ -179,7 +179,10 @@ def test_bucket_draws_by_counter_on_cuda_equal_cpu():
 def test_bucket_route_on_cuda_equals_on_cpu(name, params):
     """The bucket route on CUDA and on CPU from the same state: random draws are by counter, so even the
     random methods agree, up to float-sum order (a stochastic rounding that a last-bit difference flips
-    may differ: at most 0.1% of the elements)."""
+    may differ: at most 0.1% of the elements).  Sketch's medians of shared buckets tie exactly at the
+    k-th largest in most steps, and ``topk`` breaks such ties its own way on each device (the same on
+    every rank of one): there, an element that differs is a pick on one device only (0 on the other),
+    and every tensor has as many picks on both."""
     from gradzip.compressors import make
     from gradzip.state import GradzipState
 
@@ -197,4 +200,9 @@ def test_bucket_route_on_cuda_equals_on_cpu(name, params):
         for g, w in zip(got, want):
             close = torch.isclose(g.cpu(), w, rtol=1e-4, atol=1e-4, equal_nan=True)
             differ = int((~close).sum())
-            assert differ <= 0.001 * close.numel(), f"{name} step {step}: {differ} of {close.numel()} differ"
+            if name == "sketch":
+                swapped = (g.cpu()[~close] == 0) ^ (w[~close] == 0)
+                assert bool(swapped.all()) and int(g.count_nonzero()) == int(w.count_nonzero()), \
+                    f"sketch step {step}: {differ} of {close.numel()} differ, not only by tied picks"
+            else:
+                assert differ <= 0.001 * close.numel(), f"{name} step {step}: {differ} of {close.numel()} differ"
