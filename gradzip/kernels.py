@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 import types
 import warnings
@@ -280,12 +281,27 @@ def lowbias32_(x: torch.Tensor, scratch: torch.Tensor = None) -> torch.Tensor:
     """C. Wellons' lowbias32 integer hash of the int32 ``x``, in place (returns ``x``); ``scratch``, an
     int32 tensor of x's shape, takes the shifted copies (default: one temporary).  int32 products wrap
     modulo 2^32 (two's complement) and the right shifts are masked, so this is the unsigned hash."""
+    halves = _halves(x)
     scratch = torch.empty_like(x) if scratch is None else scratch
     for shift, mask, factor in ((16, 0xFFFF, 0x7FEB352D), (15, 0x1FFFF, -0x7B935975), (16, 0xFFFF, None)):
-        x.bitwise_xor_(torch.bitwise_right_shift(x, shift, out=scratch).bitwise_and_(mask))
+        if shift == 16 and halves is not None:
+            # x ^= x >>> 16 changes only the low half of each word: its low int16 xor its high one, one
+            # in-place operation where the shift, mask and xor take three (and a scratch)
+            halves[0].bitwise_xor_(halves[1])
+        else:
+            x.bitwise_xor_(torch.bitwise_right_shift(x, shift, out=scratch).bitwise_and_(mask))
         if factor is not None:
             x.mul_(factor)  # -0x7B935975 is 0x846CA68B as a signed 32-bit integer: the same product mod 2^32
     return x
+
+
+def _halves(x: torch.Tensor):
+    """(low, high) int16 halves of each int32 word of ``x`` as views, where memory order allows
+    (contiguous words, a little-endian machine, an eager run): else None."""
+    if sys.byteorder != "little" or not x.is_contiguous() or torch.compiler.is_compiling():
+        return None
+    words = x.view(-1).view(torch.int16)
+    return words[0::2], words[1::2]
 
 
 def uniforms_from(like: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:

@@ -499,6 +499,12 @@ def test_lowbias32_is_the_unsigned_hash():
     got = [v & 0xFFFFFFFF for v in kernels.lowbias32_(x.clone()).tolist()]
     assert got == [reference(v) for v in values]
     assert torch.equal(kernels.lowbias32_(x.clone(), scratch=torch.empty_like(x)), kernels.lowbias32_(x.clone()))
+    # contiguous words take the int16-halves form of the 16-bit rounds, strided ones the shifts: the same hash
+    rows = torch.stack([x, x.flip(0)])
+    strided = torch.stack([x, x], 1)[:, 0]
+    assert not strided.is_contiguous()
+    assert [v & 0xFFFFFFFF for v in kernels.lowbias32_(rows.clone())[1].tolist()] == [reference(v) for v in values[::-1]]
+    assert [v & 0xFFFFFFFF for v in kernels.lowbias32_(strided).tolist()] == [reference(v) for v in values]
 
 
 def test_stacked_rows_are_a_view_where_the_tensors_are_equally_spaced():
