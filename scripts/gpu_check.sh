@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks in one run (about 5 minutes on an H100), from the repository root:
+# The GPU checks in one run (about 6 minutes on an H100), from the repository root:
 #   PYTHONPATH=. bash scripts/gpu_check.sh
 # Needs torch with CUDA, typer, rich and pytest (installs nothing).  Every step's output also goes to
 # $OUT_DIR: step.json/step.log (gradzip bench step), gpu_tests.log, kernels.json/kernels.log.
@@ -10,8 +10,8 @@ set -euo pipefail
 OUT_DIR=${OUT:-/tmp/gradzip_gpu}
 GPU_TESTS=${GPU_TESTS:-"sync_debug or bucket"}
 PYTHON=${PYTHON:-python}
-STEP_ARGS=${STEP_ARGS:-}          # more options for bench step, e.g. "--steps 15 --warmup 2 --profile-steps 1"
-STEP_TIMEOUT=${STEP_TIMEOUT:-240}
+STEP_ARGS=${STEP_ARGS:-"--steps 15 --warmup 2 --profile-steps 1"}  # more options for bench step
+STEP_TIMEOUT=${STEP_TIMEOUT:-270}
 TESTS_TIMEOUT=${TESTS_TIMEOUT:-90}
 ISSUE_METHODS=${ISSUE_METHODS:-}  # e.g. topk,qsgd: bench step again with GRADZIP_ISSUE=inline (thread vs hook)
 mkdir -p "$OUT_DIR"
@@ -22,8 +22,9 @@ nvidia-smi -L | tee "$OUT_DIR/nvidia-smi.txt"
   | tee "$OUT_DIR/torch.txt"
 
 step_rc=0; start=$SECONDS
-# Each contender in a fresh process (peak memory of its own): about 10 s each, so the quick check takes
-# the baselines and a few methods; STEP_METHODS=all (or a list) for every method in a longer lease.
+# Each contender in a fresh process (peak memory of its own): about 18 s each on an H100 (2026-11-26:
+# start-up, NCCL, model, steps, profiler), so the quick check takes the baselines and a few methods, and
+# STEP_METHODS=all (26 contenders, about 8 minutes) needs a run of its own.
 STEP_METHODS=${STEP_METHODS:-ddp,torch-fp16,torch-bf16,torch-powersgd,none,fp16,bf16,topk,qsgd,efsignsgd,powersgd,dgc}
 [ "$STEP_METHODS" = all ] && STEP_METHODS=
 echo "== gradzip bench step (DDP, PyTorch's hooks, gradzip methods: ${STEP_METHODS:-all}) =="
@@ -37,9 +38,9 @@ timeout "$TESTS_TIMEOUT" "$PYTHON" -m pytest -q --maxfail=25 tests/stacks/test_g
   | tee "$OUT_DIR/gpu_tests.log" || tests_rc=$?
 tests_s=$((SECONDS - start)); start=$SECONDS
 
-echo "== gradzip bench kernels (flat 25M, 3 rounds) =="
+echo "== gradzip bench kernels (flat 25M, 3 rounds, each method's top operators by GPU time) =="
 kernels_rc=0
-timeout 90 "$PYTHON" -m gradzip bench kernels --device cuda --workloads flat --repeat 3 --no-selection --no-alone \
+timeout 90 "$PYTHON" -m gradzip bench kernels --device cuda --workloads flat --repeat 3 --no-selection --no-alone --profile \
   --json "$OUT_DIR/kernels.json" 2>&1 | tee "$OUT_DIR/kernels.log" || kernels_rc=$?
 kernels_s=$((SECONDS - start))
 
