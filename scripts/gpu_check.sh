@@ -2,7 +2,9 @@
 # The GPU checks in one run (about 6 minutes on an H100), from the repository root:
 #   PYTHONPATH=. bash scripts/gpu_check.sh
 # Needs torch with CUDA, typer, rich and pytest (installs nothing).  Every step's output also goes to
-# $OUT_DIR: step.json/step.log (gradzip bench step), gpu_tests.log, kernels.json/kernels.log.
+# $OUT_DIR: step.json/step.log (gradzip bench step), gpu_tests.log, kernels.json/kernels.log; optional
+# steps: ISSUE_METHODS (step_inline.*: issued from DDP's hook), MEMORY_METHODS (memory.log: what is alive
+# at each method's memory peak, by the line that allocated it; about 40 s a method).
 # A failing step does not stop the later ones; the script exits 1 if bench step or bench kernels failed
 # (the GPU tests' result is reported, not fatal: GPU_TESTS may select tests that do not exist yet).
 set -euo pipefail
@@ -14,6 +16,7 @@ STEP_ARGS=${STEP_ARGS:-"--steps 15 --warmup 2 --profile-steps 1"}  # more option
 STEP_TIMEOUT=${STEP_TIMEOUT:-270}
 TESTS_TIMEOUT=${TESTS_TIMEOUT:-90}
 ISSUE_METHODS=${ISSUE_METHODS:-}  # e.g. topk,qsgd: bench step again with GRADZIP_ISSUE=inline (thread vs hook)
+MEMORY_METHODS=${MEMORY_METHODS:-}  # e.g. sketch: what is alive at each one's memory peak (and DDP's), by line
 mkdir -p "$OUT_DIR"
 export PYTHONPATH=${PYTHONPATH:-.}
 
@@ -48,6 +51,18 @@ if [ -n "$ISSUE_METHODS" ]; then
   echo "== bench step with each bucket's work issued from DDP's hook (GRADZIP_ISSUE=inline): $ISSUE_METHODS =="
   GRADZIP_ISSUE=inline timeout 90 "$PYTHON" -m gradzip bench step --device cuda $STEP_ARGS --methods "ddp,$ISSUE_METHODS" \
     --json "$OUT_DIR/step_inline.json" 2>&1 | tee "$OUT_DIR/step_inline.log" || true
+fi
+
+if [ -n "$MEMORY_METHODS" ]; then
+  echo "== memory at the peak of the first and warm-up steps: ddp,$MEMORY_METHODS =="
+  snapshots=$(mktemp -d)  # the histories stay on the machine (tens of MB each); their summaries come back
+  timeout 150 "$PYTHON" -m gradzip bench step --device cuda --methods "ddp,$MEMORY_METHODS" --steps 2 --warmup 2 \
+    --profile-steps 1 --memory-snapshot "$snapshots" > "$OUT_DIR/memory.log" 2>&1 || true
+  for name in ddp ${MEMORY_METHODS//,/ }; do
+    [ -f "$snapshots/$name.pickle" ] && "$PYTHON" benchmarks/memory_peak.py "$snapshots/$name.pickle" 2>&1 \
+      | tee -a "$OUT_DIR/memory.log"
+  done
+  rm -rf "$snapshots"
 fi
 
 echo "exit codes (124: timed out): bench step $step_rc in ${step_s} s, GPU tests $tests_rc (5: none selected)" \

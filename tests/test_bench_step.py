@@ -90,7 +90,8 @@ def test_cli(tmp_path):
 
 @pytest.mark.parametrize("kwargs, message", [(dict(amp="fp16"), "amp"), (dict(steps=0), "steps"),
                                              (dict(device="tpu"), "device"), (dict(warmup=-1), "warmup"),
-                                             (dict(repeats=0), "repeats")])
+                                             (dict(repeats=0), "repeats"),
+                                             (dict(memory_snapshot="snapshots"), "needs --device cuda")])
 def test_bad_options_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         step.run(["ddp"], **{**TINY, **kwargs})
@@ -189,3 +190,35 @@ def test_ratios_are_per_repeat_medians():
     assert rows["topk"]["x_ddp"] == 2.0  # ratios 2, 1, 5 (the medians' ratio would be 40 / 20 = 2 too)
     assert rows["torch-fp16"]["x_ddp"] == 1.0  # ratios 2, 1, 0.5; medians' ratio 20 / 20
     assert rows["topk"]["x_fp16"] == 1.0  # ratios 1, 1, 10; medians' ratio 40 / 20 = 2
+
+
+def test_memory_peak_replays_a_snapshot():
+    """benchmarks/memory_peak.py on an allocator history of the form torch.cuda.memory._dump_snapshot
+    writes: the peak is the most bytes alive (a block counts until its free completes), listed by the
+    innermost gradzip line that allocated it."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "memory_peak.py"
+    spec = importlib.util.spec_from_file_location("memory_peak", path)
+    memory_peak = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(memory_peak)
+
+    def frames(*where):
+        return [{"filename": f, "line": line, "name": name} for f, line, name in where]
+    sketch = frames(("/x/torch/_tensor.py", 1, "empty"), ("/r/gradzip/compressors/sketch.py", 197, "bucket_exchange"),
+                    ("/r/gradzip/state.py", 9, "exchange"))
+    model = frames(("/r/gradzip/harness/models.py", 50, "__init__"))
+    user = frames(("/x/torch/nn/modules/linear.py", 7, "forward"), ("/home/u/train.py", 3, "step"))
+    events = [{"action": "alloc", "addr": 1, "size": 100, "frames": model},
+              {"action": "alloc", "addr": 2, "size": 40, "frames": sketch},
+              {"action": "alloc", "addr": 3, "size": 40, "frames": sketch},
+              {"action": "free_requested", "addr": 2, "size": 40, "frames": sketch},  # still counted
+              {"action": "alloc", "addr": 4, "size": 10, "frames": user},            # the peak: 190
+              {"action": "free_completed", "addr": 2, "size": 40, "frames": sketch},
+              {"action": "free_completed", "addr": 3, "size": 40, "frames": sketch},
+              {"action": "alloc", "addr": 5, "size": 60, "frames": user}]            # 170: not a peak
+    peak, live = memory_peak.peak_allocations({"device_traces": [events]})
+    assert peak == 190 and sorted(e["addr"] for e in live) == [1, 2, 3, 4]
+    assert memory_peak.by_site(live) == [("gradzip/harness/models.py:50 __init__", 100, 1),
+                                         ("gradzip/compressors/sketch.py:197 bucket_exchange", 80, 2),
+                                         ("train.py:3 step", 10, 1)]

@@ -481,9 +481,10 @@ def test_per_tensor_reductions_cut_long_tensors_into_pieces(shapes):
     counts = layout.reduce(values.ge(0).float(), total=torch.float64)
     assert counts.dtype == torch.float64 and torch.equal(counts, torch.tensor([float(p.ge(0).sum()) for p in parts],
                                                                               dtype=torch.float64))
-    pieces, per_tensor = layout._pieces
-    assert all(0 < n <= PIECE for n in pieces.tolist()) and int(pieces.sum()) == layout.numel
-    assert per_tensor.tolist() == [-(-n // PIECE) for n in layout.numels]
+    starts = layout.chunk_offsets(PIECE).tolist()  # the first level's pieces
+    assert all(0 < b - a <= PIECE for a, b in zip(starts, starts[1:])) and starts[-1] == layout.numel
+    assert torch.equal(layout.chunk_offsets(PIECE).diff(), layout.chunk_lengths(PIECE))
+    assert layout._piece_offsets.diff().tolist() == [-(-n // PIECE) for n in layout.numels]
 
 
 def test_lowbias32_is_the_unsigned_hash():

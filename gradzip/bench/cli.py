@@ -62,6 +62,8 @@ def step(
                                            help="each contender in a fresh Python process (default: at world "
                                                 "size 1; under torchrun all run in the ranks' processes)"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write every number and the environment here"),
+    memory_snapshot: Optional[Path] = typer.Option(None, help="CUDA: write each contender's allocator history "
+                                                             "here (NAME.pickle), for benchmarks/memory_peak.py"),
 ):
     """ms per DDP training step, x DDP, first step, peak memory, kernel launches and host syncs of DDP,
     PyTorch's hooks and every gradzip method (under torchrun: every rank runs, rank 0 prints)."""
@@ -74,7 +76,7 @@ def step(
     try:
         main(names, device=device, width=width, depth=depth, context=context, batch=batch, vocab=vocab, steps=steps,
              warmup=warmup, amp=amp, bucket_mb=bucket_mb, profile_steps=profile_steps, seed=seed,
-             repeats=repeats, isolate=isolate,
+             repeats=repeats, isolate=isolate, memory_snapshot=str(memory_snapshot) if memory_snapshot else None,
              json_out=str(json_out) if json_out else None, echo=typer.echo)
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)

@@ -153,6 +153,9 @@ def _contender(name: str, cfg: dict, device: torch.device, x: torch.Tensor, y: t
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
+    snapshot = cfg.get("memory_snapshot") if cuda else None
+    if snapshot:
+        torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
     torch.manual_seed(cfg["seed"])
     model = _model(cfg).to(device)
     ddp = DDP(model, device_ids=[device.index] if cuda else None, bucket_cap_mb=cfg["bucket_mb"])
@@ -184,6 +187,10 @@ def _contender(name: str, cfg: dict, device: torch.device, x: torch.Tensor, y: t
         first = timed()
         for _ in range(cfg["warmup"]):
             step()
+        if snapshot:  # the history's stack captures would slow the timed steps: it stops here
+            os.makedirs(snapshot, exist_ok=True)
+            torch.cuda.memory._dump_snapshot(os.path.join(snapshot, f"{name}.pickle"))
+            torch.cuda.memory._record_memory_history(enabled=None)
         times = [timed() for _ in range(cfg["steps"])]
         peak = torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None
         config = _all_threads_config()
@@ -219,6 +226,8 @@ def _child_argv(name: str, cfg: dict, device: torch.device, json_path: str) -> l
     argv = [sys.executable, "-m", "gradzip", "bench", "step", "--no-isolate", "--repeats", "1",
             "--device", str(device), "--methods", name, "--json", json_path, "--seed", str(cfg["seed"]),
             "--bucket-mb", repr(cfg["bucket_mb"]), "--profile-steps", str(cfg["profile_steps"])]
+    if cfg.get("memory_snapshot"):
+        argv += ["--memory-snapshot", cfg["memory_snapshot"]]
     for key in ("width", "depth", "context", "batch", "vocab", "steps", "warmup", "amp"):
         argv += [f"--{key}", str(cfg[key])]
     return argv
@@ -288,8 +297,10 @@ def _aggregate(runs: list, names: Sequence[str]) -> list:
     return rows
 
 
-def _checked_config(device_type: str, options: dict, profile_steps: int) -> dict:
+def _checked_config(device_type: str, options: dict, profile_steps: int, memory_snapshot=None) -> dict:
     """:data:`DEFAULTS` for the device overridden by ``options``, or a one-line ValueError."""
+    if memory_snapshot and device_type != "cuda":
+        raise ValueError("--memory-snapshot records the CUDA allocator's history: it needs --device cuda")
     cfg = {**defaults(device_type), **{k: v for k, v in options.items() if v is not None}}
     unknown = set(cfg) - set(DEFAULTS["cpu"])
     if unknown:
@@ -302,15 +313,16 @@ def _checked_config(device_type: str, options: dict, profile_steps: int) -> dict
             raise ValueError(f"{key} must be an integer >= 1, got {value!r}")
     if not isinstance(cfg["warmup"], int) or cfg["warmup"] < 0:
         raise ValueError(f"warmup must be an integer >= 0, got {cfg['warmup']!r}")
-    return cfg
+    return {**cfg, "memory_snapshot": memory_snapshot}
 
 
 def run(methods: Optional[Sequence[str]] = None, *, device: Optional[str] = None, seed: int = 0,
         bucket_mb: float = 25.0, profile_steps: int = 2, repeats: int = 1, isolate: Optional[bool] = None,
-        progress: Optional[Callable[[str], None]] = None, **options) -> dict:
+        memory_snapshot: Optional[str] = None, progress: Optional[Callable[[str], None]] = None, **options) -> dict:
     """Run every contender ``repeats`` times in turn; returns a JSON-ready dict (see :func:`format_table`).
     ``isolate`` (default: at world size 1) runs each contender in a process of its own.  ``options``
-    override :data:`DEFAULTS` (width, depth, context, batch, vocab, steps, warmup, amp)."""
+    override :data:`DEFAULTS` (width, depth, context, batch, vocab, steps, warmup, amp).  ``memory_snapshot``
+    (CUDA): a folder for each contender's allocator history of its first and warm-up steps (NAME.pickle)."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device.split(":")[0] not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
@@ -327,7 +339,7 @@ def run(methods: Optional[Sequence[str]] = None, *, device: Optional[str] = None
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", dev.index or 0)))
         if not isolate:  # the parent of isolated runs touches no GPU memory
             torch.cuda.set_device(dev)
-    cfg = _checked_config(dev.type, options, profile_steps)
+    cfg = _checked_config(dev.type, options, profile_steps, memory_snapshot)
     cfg.update(seed=seed, bucket_mb=bucket_mb, profile_steps=profile_steps)
     valid = list(BASELINES) + gradzip.compressors()
     names = list(methods) if methods else valid

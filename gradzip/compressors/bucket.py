@@ -13,6 +13,7 @@ of a transformer holds dozens of tensors, so per-tensor Python is what made a st
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -99,24 +100,25 @@ class BucketLayout:
     def reduce(self, values: torch.Tensor, how: str = "sum", total: torch.dtype = None) -> torch.Tensor:
         """Per tensor, the ``how`` ("sum" or "max", at least 0) of its elements of the flat ``values``, in
         their dtype or ``total`` (0 for an empty tensor): over pieces of at most :data:`PIECE` elements
-        (exact counts in float32), then over each tensor's pieces.  CUB's segmented reduction (``segment_reduce`` on CUDA) gives each segment
-        one thread block, so a tensor of millions of elements reduced whole would occupy one of the
-        GPU's hundred-odd multiprocessors for milliseconds; cut into pieces, all of them take part."""
-        pieces, counts = self._pieces
-        if not pieces.numel():  # segment_reduce takes no empty lengths
-            return values.new_zeros(len(self), dtype=total)
-        # unsafe: the lengths are the layout's own, so their checks, which read them back from the
-        # device (a host sync on CUDA), are skipped
-        first = torch.segment_reduce(values, how, lengths=pieces, unsafe=True, initial=0.0)
+        (exact counts in float32), then over each tensor's pieces.  CUB's segmented reduction
+        (``segment_reduce`` on CUDA) gives each segment one thread block, so a tensor of millions of
+        elements reduced whole would occupy one of the GPU's hundred-odd multiprocessors for
+        milliseconds; cut into pieces, all of them take part."""
+        first = self.chunk_reduce(values, how, PIECE)
         if total is not None:
             first = first.to(total)
-        return torch.segment_reduce(first, how, lengths=counts, unsafe=True, initial=0.0)
+        return _segment_reduce(first, how, self._piece_offsets)
+
+    def chunk_reduce(self, values: torch.Tensor, how: str, size: int) -> torch.Tensor:
+        """Per chunk (:meth:`chunk_lengths`), the ``how`` ("sum" or "max", at least 0) of the flat
+        ``values``' elements there."""
+        return _segment_reduce(values, how, self.chunk_offsets(size))
 
     @functools.cached_property
-    def _pieces(self) -> tuple:
-        """The lengths of the pieces :meth:`reduce` cuts the tensors into, and how many each tensor has."""
-        return (self.chunk_lengths(PIECE),
-                torch.tensor([-(-n // PIECE) for n in self.numels], dtype=torch.int64, device=self.device))
+    def _piece_offsets(self) -> torch.Tensor:
+        """Where each tensor's pieces (:meth:`reduce`) start among all pieces, and their end."""
+        counts = [-(-n // PIECE) for n in self.numels]
+        return torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int64, device=self.device)
 
     def per_element(self, per_tensor: torch.Tensor) -> torch.Tensor:
         """A per-tensor quantity repeated over each tensor's elements: a flat tensor of ``numel``.
@@ -171,6 +173,15 @@ class BucketLayout:
             cached[size] = lengths.repeat_interleave(counts).to(self.device)
         return cached[size]
 
+    def chunk_offsets(self, size: int) -> torch.Tensor:
+        """Where each chunk of :meth:`chunk_lengths` starts in the bucket, and the end: offsets spare a
+        segmented reduction the cumulative sum of lengths it would launch otherwise."""
+        cached = self.__dict__.setdefault("_chunk_offsets", {})
+        if size not in cached:
+            starts = [start for offset, n in zip(self.offsets, self.numels) for start in range(offset, offset + n, size)]
+            cached[size] = torch.tensor([*starts, self.numel], dtype=torch.int64, device=self.device)
+        return cached[size]
+
     def __repr__(self) -> str:
         return f"BucketLayout({len(self)} tensors, {self.numel} elements, {self.dtype}, {self.device})"
 
@@ -200,6 +211,15 @@ class BucketContext(StagedContext):
         """n float32 draws in [0, 1) on the bucket's device (see :meth:`draw_seed`)."""
         like = torch.empty((), device=self.layout.device).expand(n)  # only its length is read: no n-element buffer
         return kernels.counter_uniforms(like, self.draw_seed(shared=shared, salt=salt))
+
+
+def _segment_reduce(values: torch.Tensor, how: str, offsets: torch.Tensor) -> torch.Tensor:
+    """``how`` over each segment [offsets[i], offsets[i + 1]) of ``values`` (0 for an empty one)."""
+    if offsets.numel() < 2:  # no segment: segment_reduce takes none
+        return values.new_zeros(0)
+    # unsafe: the offsets are a layout's own, so their checks, which read them back from the device (a
+    # host sync on CUDA), are skipped
+    return torch.segment_reduce(values, how, offsets=offsets, unsafe=True, initial=0.0)
 
 
 def pack_signs(x: torch.Tensor) -> torch.Tensor:

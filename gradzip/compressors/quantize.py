@@ -137,13 +137,6 @@ def _unpack_codes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     return (stream.view(n, bits).to(torch.int32) << planes).sum(dim=1, dtype=torch.int32)
 
 
-def _segment(values: torch.Tensor, reduce: str, lengths: torch.Tensor) -> torch.Tensor:
-    """Per segment of the flat float32 ``values`` (``lengths``: a layout's device tensor, valid by
-    construction), its ``reduce`` ("sum" or "max"), 0 for an empty segment.  ``unsafe=True`` skips
-    segment_reduce's checks of the lengths, which read them from the device (a host sync on CUDA)."""
-    return torch.segment_reduce(values, reduce, lengths=lengths, unsafe=True, initial=0.0)
-
-
 def qsgd_reference(x: torch.Tensor, s: int, u: torch.Tensor, bucket_size: int = 512,
                    norm: str = "l2") -> torch.Tensor:
     """QSGD's Q_s as the paper writes it, bucket by bucket, given one uniform u_i in [0, 1) per element.
@@ -402,14 +395,11 @@ class QSGD(GatheredCompressor):
         of ceil(log2(s+1)) + 1 bits (as :meth:`compress`'s) packed together:
         4 * chunks + ceil(n * bits / 8) bytes."""
         layout, s, n = b.layout, self.levels, b.layout.numel
-        lengths = layout.chunk_lengths(self.bucket_size)
         ratio = p.abs()
-        if not n:  # no chunk (segment_reduce takes no empty lengths)
-            norms = p.new_zeros(0)
-        elif self.norm == "l2":
-            norms = _segment(ratio.square(), "sum", lengths).sqrt_()
+        if self.norm == "l2":
+            norms = layout.chunk_reduce(ratio.square(), "sum", self.bucket_size).sqrt_()
         else:
-            norms = _segment(ratio, "max", lengths)
+            norms = layout.chunk_reduce(ratio, "max", self.bucket_size)
         scale = torch.where(norms > 0, s / norms, 0.0)  # s / ||v|| per chunk
         ratio.mul_(layout.per_chunk(scale, self.bucket_size))  # |v_i| s / ||v||, in [0, s]
         up = b.uniforms(n, shared=False, salt="qsgd") < torch.frac(ratio)

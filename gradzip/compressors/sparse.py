@@ -1178,7 +1178,7 @@ class CSC(SharedSparsifier):
         vdtype = self._vdtype or layout.dtype
         pre = b.world_size if vdtype.itemsize == 2 else 1
         firsts = _first_chunks(layout, c)
-        norms = yield AllReduce(torch.segment_reduce(p.abs(), "sum", lengths=layout.chunk_lengths(c), unsafe=True))
+        norms = yield AllReduce(layout.chunk_reduce(p.abs(), "sum", c))
         positions = []
         for size, first in zip(layout.classes, firsts):
             chunks = -(-size.numel // c)
