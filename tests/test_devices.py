@@ -69,3 +69,45 @@ def test_trits_decode_the_same_either_way(n, monkeypatch):
 
 def test_cuda_is_cuda():
     assert devices.cuda("cuda:1") and devices.cuda(torch.device("cuda")) and not devices.cuda(torch.zeros(1))
+
+
+def _bucketed_cases():
+    """test_buckets' cases on its odd small bucket, and each method's default on one past the sizes where
+    large temporaries reuse buffers and a CPU checks its input chunk by chunk."""
+    from .test_buckets import BUCKETED, CASES, IDS, SHAPES
+    large = [(600, 500), *SHAPES]
+    return ([(name, params, SHAPES) for name, params in CASES] + [(name, {}, large) for name in BUCKETED],
+            IDS + [f"{name}-large" for name in BUCKETED])
+
+
+@pytest.mark.parametrize("name, params, shapes", _bucketed_cases()[0], ids=_bucketed_cases()[1])
+def test_the_bucket_route_in_the_gpus_forms_equals_the_cpus(name, params, shapes):
+    """Every predicate of the seam as on a GPU (but no streams or pinned memory), on this CPU: the
+    bucket route's results and state equal the CPU forms' from the same state, up to float-sum order,
+    so that the code a GPU runs is run, and checked, by every CPU test run."""
+    from unittest import mock
+
+    from gradzip.state import GradzipState
+    states = [GradzipState(name, bucketed=True, **params) for _ in range(2)]  # the same draws by counter
+    numels = [torch.Size(s).numel() for s in shapes]
+    asked = []
+
+    def gpu(where):
+        asked.append(where)
+        return "cuda"
+    for step in range(3):
+        flat = torch.randn(sum(numels), generator=torch.Generator().manual_seed(step))
+        outs = []
+        for gpu_forms, state in enumerate(states):
+            named = [(f"layer{i}", v.view(s)) for i, (v, s) in enumerate(zip(flat.clone().split(numels), shapes))]
+            with mock.patch.multiple(devices, _type=gpu if gpu_forms else (lambda where: "cpu"),
+                                     cuda=lambda where: False):
+                outs.append(torch.cat([g.reshape(-1) for g in state.exchange(named, out=[g for _, g in named])]))
+        close = torch.isclose(outs[1], outs[0], rtol=1e-4, atol=1e-5, equal_nan=True)
+        assert int((~close).sum()) <= 0.001 * close.numel(), f"step {step}: {int((~close).sum())} differ"
+    for key, slot in states[0].tensors.items():
+        for what, value in slot.items():
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
+                torch.testing.assert_close(states[1].tensors[key][what], value, rtol=1e-4, atol=1e-5)
+    if not asked:
+        pytest.skip(f"{name}'s exchange asks the seam nothing: one form on every device")
