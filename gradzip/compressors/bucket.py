@@ -132,16 +132,21 @@ class BucketLayout:
         with one index (``values.index_select(0, index)``, as :meth:`per_element`)."""
         return self._index(*self._later_starts)
 
-    def per_chunk(self, per_chunk: torch.Tensor, size: int) -> torch.Tensor:
+    def per_chunk(self, per_chunk: torch.Tensor, size: int, index: torch.Tensor = None) -> torch.Tensor:
         """A per-chunk quantity (chunks as :meth:`chunk_lengths`) repeated over each chunk's elements, as
-        :meth:`per_element`: ``per_chunk.repeat_interleave(chunk_lengths(size))`` by an int32 index."""
+        :meth:`per_element`: ``per_chunk.repeat_interleave(chunk_lengths(size))`` by an int32 index
+        (``index``: :meth:`chunk_index`'s, to spread several quantities with one)."""
+        return per_chunk.index_select(0, self.chunk_index(size) if index is None else index)
+
+    def chunk_index(self, size: int) -> torch.Tensor:
+        """Each element's chunk of ``size`` (int32, over the bucket; made at each call, not kept)."""
         cached = self.__dict__.setdefault("_chunk_starts", {})
         if size not in cached:
             starts = [start for offset, n in zip(self.offsets, self.numels)
                       for start in range(offset, offset + n, size)]
             cached[size] = (torch.tensor(starts[1:], dtype=torch.int64, device=self.device),
                             torch.ones(max(len(starts) - 1, 0), dtype=torch.int32, device=self.device))
-        return per_chunk.index_select(0, self._index(*cached[size]))
+        return self._index(*cached[size])
 
     def _index(self, later_starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Each element's segment, int32: the segments after the first start at ``later_starts``,

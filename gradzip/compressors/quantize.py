@@ -408,21 +408,23 @@ class QSGD(GatheredCompressor):
         packed = _pack_codes(codes, self._bits)
         del ratio, up, codes  # bucket-sized: not to be held across the allgather and the decoding
         gathered = yield AllGather((norms, packed))
-        total = None
+        total, index = None, layout.chunk_index(self.bucket_size)  # one index spreads every rank's norms
         for fields in gathered:  # rank order: the same floats on every rank
-            value = self._bucket_decoded(fields, layout)
+            value = self._bucket_decoded(fields, layout, index)
             total = value if total is None else total.add_(value)
+        del index
         # |Q_i| <= ||v||: the mean is at most the sum over ranks of each one's largest norm
         bound = torch.stack([f[0].abs().amax() for f in gathered]).sum() if norms.numel() else None
         return Exchanged(total.div_(b.world_size), lambda: self._bucket_decoded((norms, packed), layout),
                          bound=bound)
 
-    def _bucket_decoded(self, fields, layout) -> torch.Tensor:
-        """Q of one rank's bucket payload: (sign * xi) * (||v|| / s), flat float32."""
+    def _bucket_decoded(self, fields, layout, index=None) -> torch.Tensor:
+        """Q of one rank's bucket payload: (sign * xi) * (||v|| / s), flat float32 (``index``: the
+        layout's chunk index, if made already)."""
         norms, packed = fields
         codes = _unpack_codes(packed, self._bits, layout.numel)
         value = (codes >> 1).float().mul_((codes & 1).float().mul_(-2).add_(1))  # 0 with the sign bit: -0.0
-        return value.mul_(layout.per_chunk(norms.float() / self.levels, self.bucket_size))
+        return value.mul_(layout.per_chunk(norms.float() / self.levels, self.bucket_size, index))
 
     def bucket_payload_bytes(self, layout):
         chunks = sum(math.ceil(n / self.bucket_size) for n in layout.numels)
