@@ -31,7 +31,7 @@ import torch
 
 __all__ = ["MIN_NUMEL", "LARGE_NUMEL", "UNROLL_RANKS", "KERNELS", "Kernel", "fused", "enabled", "enabled_over_ranks",
            "pack_codes", "unpack_codes", "pack_bytes",
-           "repeat_each", "counter_uniforms", "lowbias32_", "uniforms_from"]
+           "repeat_each", "counter_uniforms", "counter_hashes", "lowbias32_", "uniforms_from"]
 
 #: The smallest tensor (elements) that takes a fused path: QSGD saves about 35 passes over 2^20
 #: elements, some 15 ms a step here, which repays a 5 s compile in a few hundred steps.
@@ -267,14 +267,20 @@ def counter_uniforms(like: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
     eight passes over memory for 25M fp32 draws on a CPU).  The same code runs eagerly, slowly, to test
     kernels against their reference paths.
     """
-    # In place where it can be: eagerly, one int32 buffer and one temporary instead of a new one per step.
-    x = lowbias32_(torch.arange(like.shape[0], dtype=torch.int32, device=like.device).bitwise_xor_(seed))
+    x = counter_hashes(like, seed)
     x.bitwise_right_shift_(8).bitwise_and_(0xFFFFFF)
     if torch.compiler.is_compiling():  # a fused kernel keeps x in registers: nothing to save
         return x.to(torch.float32).mul_(2.0**-24)
     # Eagerly, converted into x's own memory (each element read and written at its own address, 4 bytes
     # either way), so that drawing for a whole bucket peaks at two int32 copies, not three.
     return x.view(torch.float32).copy_(x).mul_(2.0**-24)
+
+
+def counter_hashes(like: torch.Tensor, seed) -> torch.Tensor:
+    """lowbias32(i xor seed) for i < ``like.shape[0]``, int32: distinct for distinct i (both steps are
+    bijections of 32-bit words), so as keys to rank they never tie."""
+    # In place where it can be: eagerly, one int32 buffer and one temporary instead of a new one per step.
+    return lowbias32_(torch.arange(like.shape[0], dtype=torch.int32, device=like.device).bitwise_xor_(seed))
 
 
 def lowbias32_(x: torch.Tensor, scratch: torch.Tensor = None) -> torch.Tensor:

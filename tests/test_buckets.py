@@ -450,6 +450,16 @@ def test_auto_on_its_choices_route_keeps_ranks_identical_and_resumes():
         assert all(torch.equal(a, b) for a, b in zip(outs, results[0][0]))
 
 
+def test_counter_hashes_are_distinct_keys_and_the_uniforms_top_bits():
+    """kernels.counter_hashes: distinct int32 keys (Random-k ranks by them: no ties), whose top 24 bits
+    are counter_uniforms' draws."""
+    like, seed = torch.empty(1 << 20), torch.tensor(12345, dtype=torch.int32)
+    keys = kernels.counter_hashes(like, seed)
+    assert keys.dtype == torch.int32 and keys.unique().numel() == keys.numel()
+    top = (keys >> 8) & 0xFFFFFF
+    assert torch.equal(top.float() * 2.0**-24, kernels.counter_uniforms(like, seed))
+
+
 @pytest.mark.parametrize("shapes", [[(5, 3), (0,), (7,), (), (4, 4)], [(1,)], [(0,), (3,)],
                                     [(33,), (64,), (0,), (31,)]])
 def test_spreading_per_tensor_and_per_chunk_values_over_the_elements(shapes):

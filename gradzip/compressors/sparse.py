@@ -570,15 +570,14 @@ class RandomK(SharedSparsifier):
     bucketed = True
 
     def bucket_exchange(self, p, b):
-        """Per tensor the same k = ceil(ratio * n) positions on every rank: the k largest of n uniform
-        keys drawn by counter, shared by the ranks (``b.uniforms(shared=True)``: one draw for the bucket,
-        one topk per size class), so every k-subset is equally likely (up to ties among the keys, which lie on
-        a 2^-24 grid).  The values (times n / k if unbiased) are allreduced as in :meth:`exchange`,
+        """Per tensor the same k = ceil(ratio * n) positions on every rank: the k largest of n distinct
+        int32 keys hashed by counter, shared by the ranks (``b.hashes(shared=True)``: one draw for the
+        bucket, one topk per size class), so every k-subset is equally likely.  The values (times n / k if unbiased) are allreduced as in :meth:`exchange`,
         divided by N before a 16-bit cast.  Wire: the bucket's K values, no index."""
         layout, vdtype = b.layout, self._vdtype or b.layout.dtype
         pre = b.world_size if vdtype.itemsize == 2 else 1
         positions, factors = [], []
-        keys = b.uniforms(layout.numel, shared=True, salt="randomk")  # one draw: a class each its slice
+        keys = b.hashes(layout.numel, shared=True, salt="randomk")  # one draw: a class each its slice
         for size, rows in zip(layout.classes, keys.split([len(s.members) * s.numel for s in layout.classes])):
             k = math.ceil(self.ratio * size.numel)
             positions.append(rows.view(-1, size.numel).topk(k, dim=1, sorted=False).indices
