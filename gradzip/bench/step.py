@@ -373,7 +373,7 @@ def run(methods: Optional[Sequence[str]] = None, *, device: Optional[str] = None
             x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
             # The process's own first steps (thread pools, CUDA context and kernels, allocator) would
             # otherwise land on the first contender: an untimed plain-DDP run takes them.
-            _contender("ddp", {**cfg, "steps": 1, "warmup": 1, "profile_steps": 1}, dev, x, y)
+            _contender("ddp", {**cfg, "steps": 1, "warmup": 1, "profile_steps": 1, "memory_snapshot": None}, dev, x, y)
             for repeat in range(repeats):
                 for name in names:
                     tell(name, repeat)

@@ -140,20 +140,18 @@ class BucketLayout:
 
     def chunk_index(self, size: int) -> torch.Tensor:
         """Each element's chunk of ``size`` (int32, over the bucket; made at each call, not kept)."""
-        cached = self.__dict__.setdefault("_chunk_starts", {})
-        if size not in cached:
-            starts = [start for offset, n in zip(self.offsets, self.numels)
-                      for start in range(offset, offset + n, size)]
-            cached[size] = (torch.tensor(starts[1:], dtype=torch.int64, device=self.device),
-                            torch.ones(max(len(starts) - 1, 0), dtype=torch.int32, device=self.device))
-        return self._index(*cached[size])
+        later = self.__dict__.setdefault("_later_chunk_starts", {})
+        if size not in later:  # a view of the offsets, made once; chunks never start together
+            later[size] = self.chunk_offsets(size)[1:-1]
+        return self._index(later[size])
 
-    def _index(self, later_starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _index(self, later_starts: torch.Tensor, counts: torch.Tensor = None) -> torch.Tensor:
         """Each element's segment, int32: the segments after the first start at ``later_starts``,
-        ``counts`` of them there (empty ones start where the next does), so an element's segment is
-        the cumulative sum of the counts up to it."""
+        ``counts`` of them there (empty ones start where the next does; None: one each), so an
+        element's segment is the cumulative sum of the counts up to it."""
         index = torch.zeros(self.numel, dtype=torch.int32, device=self.device)
-        return index.index_add_(0, later_starts, counts).cumsum_(0)
+        counted = index.index_fill_(0, later_starts, 1) if counts is None else index.index_add_(0, later_starts, counts)
+        return counted.cumsum_(0)
 
     @functools.cached_property
     def _later_starts(self) -> tuple:
@@ -168,22 +166,17 @@ class BucketLayout:
 
     def chunk_lengths(self, size: int) -> torch.Tensor:
         """The lengths of the chunks of ``size`` elements each tensor is cut into (its last one shorter,
-        none for an empty tensor), in bucket order, on the bucket's device: built once per size."""
-        cached = self.__dict__.setdefault("_chunk_lengths", {})
-        if size not in cached:
-            numels = torch.tensor(self.numels, dtype=torch.int64)
-            full, tail = numels // size, numels % size
-            lengths = torch.stack([torch.full_like(full, size), tail], 1).view(-1)
-            counts = torch.stack([full, (tail > 0).long()], 1).view(-1)
-            cached[size] = lengths.repeat_interleave(counts).to(self.device)
-        return cached[size]
+        none for an empty tensor), in bucket order, on the bucket's device."""
+        return self.chunk_offsets(size).diff()
 
     def chunk_offsets(self, size: int) -> torch.Tensor:
-        """Where each chunk of :meth:`chunk_lengths` starts in the bucket, and the end: offsets spare a
-        segmented reduction the cumulative sum of lengths it would launch otherwise."""
+        """Where each chunk of ``size`` elements starts in the bucket (each tensor cut from its start, its
+        last chunk shorter, none for an empty tensor), and the end, on the bucket's device: built once
+        per size.  Offsets spare a segmented reduction the cumulative sum of lengths it would launch."""
         cached = self.__dict__.setdefault("_chunk_offsets", {})
         if size not in cached:
-            starts = [start for offset, n in zip(self.offsets, self.numels) for start in range(offset, offset + n, size)]
+            starts = [start for offset, n in zip(self.offsets, self.numels)
+                      for start in range(offset, offset + n, size)]
             cached[size] = torch.tensor([*starts, self.numel], dtype=torch.int64, device=self.device)
         return cached[size]
 

@@ -572,8 +572,9 @@ class RandomK(SharedSparsifier):
     def bucket_exchange(self, p, b):
         """Per tensor the same k = ceil(ratio * n) positions on every rank: the k largest of n distinct
         int32 keys hashed by counter, shared by the ranks (``b.hashes(shared=True)``: one draw for the
-        bucket, one topk per size class), so every k-subset is equally likely.  The values (times n / k if unbiased) are allreduced as in :meth:`exchange`,
-        divided by N before a 16-bit cast.  Wire: the bucket's K values, no index."""
+        bucket, one topk per size class), so every k-subset is equally likely.  The values (times n / k
+        if unbiased) are allreduced as in :meth:`exchange`, divided by N before a 16-bit cast.  Wire: the
+        bucket's K values, no index."""
         layout, vdtype = b.layout, self._vdtype or b.layout.dtype
         pre = b.world_size if vdtype.itemsize == 2 else 1
         positions, factors = [], []
