@@ -16,6 +16,7 @@ from gradzip.compressors import parse_spec
 from gradzip.compressors.base import TensorContext
 from gradzip.harness.data import DatasetInfo
 from gradzip.harness.models import build_model
+from gradzip.launcher import free_port
 
 MNIST = DatasetInfo("fashion-mnist", (1, 28, 28), 10, "classification")
 
@@ -217,8 +218,9 @@ def test_real_two_process_calibration_over_loopback():
 
 
 def test_advise_under_torchrun_measures_the_jobs_own_links(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "gradzip",
-                          "advise", "--model", "mlp", "--dataset", "digits", "-m", "none", "-m", "fp16"],
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--master-port", str(free_port()), "-m", "gradzip", "advise", "--model", "mlp",
+                          "--dataset", "digits", "-m", "none", "-m", "fp16"],
                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     # Rank 0 alone prints, and projects for the job's own size.
