@@ -44,9 +44,11 @@ _NO_KERNEL = {"aten.empty", "aten.empty_like", "aten.new_empty", "aten.empty_str
 def launching(by_op) -> int:
     """The operations of ``by_op`` (name -> count) that would launch a kernel on a GPU."""
     def launches(name: str) -> bool:
+        # A packet's tensor overloads are all views or none are (``slice``'s non-view ones take lists),
+        # and the counts are by packet: any view overload makes it a view.
         packet = getattr(torch.ops.aten, name.split(".", 1)[1], None)
-        overload = getattr(packet, "default", None) if packet is not None else None
-        return name not in _NO_KERNEL and not (overload is not None and overload.is_view)
+        views = packet is not None and any(getattr(packet, o).is_view for o in packet.overloads())
+        return name not in _NO_KERNEL and not views
     return sum(count for name, count in by_op.items() if launches(name))
 
 
