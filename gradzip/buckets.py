@@ -93,6 +93,8 @@ class _Bucket:
         self.input_at: Optional[tuple] = None  # (first data_ptr, last data_ptr) where the input is one run
         # NaN and 1 on the device, to poison or keep the output by: no scalar made into a tensor each step
         self.nan_or_one = torch.tensor([float("nan"), 1.0], device=layout.device).unbind()
+        # the input's flag where the aggregate's check stands for the input's (read, never written)
+        self.unchecked = torch.zeros((), dtype=torch.bool, device=layout.device)
 
     def flat_input(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
         """The gradients as one flat tensor: a view where they lie end to end in one buffer (DDP's
@@ -214,7 +216,7 @@ class BucketRoute:
         if not compressor.carries_nonfinite and layout.numel:
             local = _nonfinite(flat_g)
         else:
-            local = torch.zeros((), dtype=torch.bool, device=layout.device)
+            local = entry.unchecked
         with kernels.suspended():  # eager operations only: no compile lands in a user's first step
             (result,), report = run_lockstep([_feedback.bucket_exchange(compressor, flat_g, b)], state.transport, local)
         aggregate = result.aggregate

@@ -93,6 +93,15 @@ class BucketLayout:
         parts = torch.split(flat, self.numels)
         return torch.stack([parts[i] for i in members])
 
+    def segment_mean(self, values: torch.Tensor) -> torch.Tensor:
+        """Per tensor, the float32 mean of its elements of the flat ``values`` (0 for an empty tensor)."""
+        return self.segment_sum(values).div_(self._counts)
+
+    @functools.cached_property
+    def _counts(self) -> torch.Tensor:
+        """Each tensor's element count, at least 1 (an empty tensor's sum, 0, divided by it stays 0)."""
+        return self.lengths.clamp(min=1)
+
     def segment_sum(self, values: torch.Tensor) -> torch.Tensor:
         """Per tensor, the float32 sum of its elements of the flat ``values`` (0 for an empty tensor)."""
         return self.reduce(values.float() if values.dtype != torch.float32 else values, "sum")

@@ -580,7 +580,7 @@ class TernGrad(Compressor):
         layout, n = b.layout, b.layout.numel
         g = p
         if self.clip is not None:
-            sigma = layout.segment_sum(p.square()).div_(layout.lengths.clamp(min=1)).sqrt_()
+            sigma = layout.segment_mean(p.square()).sqrt_()
             bound = layout.per_element(sigma.mul_(self.clip))
             g = torch.clamp(p, max=bound).clamp_(min=bound.neg_())  # bound >= 0: clamp(p, -bound, bound)
             del bound

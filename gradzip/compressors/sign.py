@@ -265,6 +265,12 @@ def _fused_trit_vote(gathered: list, n: int, scale: Optional[torch.Tensor], out:
 
 
 @functools.lru_cache(maxsize=16)
+def _one(device: torch.device) -> torch.Tensor:
+    """1.0 on the device, made once (a bound read, never written)."""
+    return torch.ones((), device=device)
+
+
+@functools.lru_cache(maxsize=16)
 def _inverse_powers_of_3(device: torch.device) -> torch.Tensor:
     return torch.tensor([3.0 ** -j for j in range(TRITS_PER_BYTE)], device=device)
 
@@ -584,12 +590,15 @@ class _SignVote(GatheredCompressor):
         layout, n = b.layout, b.layout.numel
         y = self.bucket_signs_of(p, b)
         codes = encode_trits(y) if self.ternary else pack_signs(y)
-        scales = layout.segment_sum(y.abs()).div_(layout.lengths.clamp(min=1)) if self.scaled else None
+        scales = layout.segment_mean(y.abs()) if self.scaled else None
         gathered = yield AllGather((codes,) if scales is None else (scales, codes))
         if scales is not None:  # spread over the elements before the vote exists: one bucket copy less at once
-            s = gathered[0][0].clone()
-            for fields in gathered[1:]:  # rank order, as exchange() sums the scales
-                s += fields[0]
+            ranks = [fields[0] for fields in gathered]
+            # rank order, as exchange() sums the scales; the first sum (or the lone rank's mean) is new
+            # memory, not the own field's
+            s = torch.add(ranks[0], ranks[1]) if len(ranks) > 1 else ranks[0] / 1
+            for scale in ranks[2:]:
+                s += scale
             spread = layout.per_element(s.div_(b.world_size))
         if self.ternary:
             vote = vote_of_trits([f[-1] for f in gathered], (n,), torch.empty(n, dtype=torch.float32, device=p.device))
@@ -598,10 +607,11 @@ class _SignVote(GatheredCompressor):
             for fields in gathered[1:]:
                 vote += unpack_signs(fields[-1], n)
             vote.sign_()
-        bound = torch.ones((), device=p.device)  # votes are -1, 0 or +1: |s V| <= max_i |s_i|
-        if scales is not None:
+        if scales is not None:  # votes are -1, 0 or +1: |s V| <= max_i |s_i|
             vote.mul_(spread)
             bound = s.abs().amax()  # NaN propagates: a non-finite input poisons the step
+        else:
+            bound = _one(p.device)
         own = gathered[b.rank]
         return Exchanged(vote, lambda: self._bucket_sent(own, layout), bound=bound)
 
@@ -723,6 +733,9 @@ class EFSignSGD(GatheredCompressor):
     name = "efsignsgd"
     default_feedback = "residual"
     decodes_into = True
+    # Every tensor's ||p||_1 / n is sent: a NaN or Inf in any rank's p makes it non-finite, hence the
+    # aggregate (and its bound) on every rank, which the owner checks: the input need not be read.
+    carries_nonfinite = True
 
     def __init__(self, feedback: Optional[str] = None):
         super().__init__(feedback)
@@ -772,7 +785,7 @@ class EFSignSGD(GatheredCompressor):
         """Per tensor i of the bucket, scale_i = ||p_i||_1 / n_i by one segmented sum; the signs of the
         whole bucket packed together.  Wire: 4 bytes per tensor + ceil(n / 8) for the bucket's n."""
         layout = b.layout
-        scales = layout.segment_sum(p.abs()).div_(layout.lengths.clamp(min=1))
+        scales = layout.segment_mean(p.abs())
         gathered = yield AllGather((scales, pack_signs(p)))
         total, index = None, layout.segment_index()  # one index spreads every rank's scales
         for scale, packed in gathered:  # rank order, as exchange() sums the ranks' deltas
