@@ -1,6 +1,7 @@
 """Low-rank compression: send two thin factors P (n x r) and Q (m x r) instead of the n x m gradient."""
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Optional
 
@@ -196,7 +197,7 @@ class PowerSGD(Compressor):
         dense_part = torch.cat([pieces[i] for i in dense]).div_(N) if dense else p.new_empty(0)
         total = yield AllReduce(torch.cat([P.reshape(-1) for P in Ps] + [dense_part]))
         sums = torch.split(total, [P.numel() for P in Ps] + [dense_part.numel()])
-        Ps = [_orthogonalized(S.view_as(P), self.epsilon) for S, P in zip(sums, Ps)]
+        Ps = _orthogonalized_together([S.view_as(P) for S, P in zip(sums, Ps)], self.epsilon)
         Qts = [torch.bmm(P.transpose(1, 2), M) for P, M in zip(Ps, Ms)]  # Q_i^T = (M^T P)^T
         Qbar_ts = []
         if classes:  # (none before dense_steps)
@@ -233,19 +234,27 @@ class PowerSGD(Compressor):
         normal = torch.sqrt(-2 * torch.log1p(-u[0])) * torch.cos(2 * math.pi * u[1])  # Box-Muller
         fresh = [d.view(len(members), m, r) for d, (n, m, r, members) in zip(torch.split(normal, counts), classes)]
         if kept is None:
-            return [_orthogonalized(q, self.epsilon) for q in fresh]
+            return _orthogonalized_together(fresh, self.epsilon)
         sizes = {i: m * r for n, m, r, members in classes for i in members}
-        qs = dict(zip(sorted(sizes), torch.split(kept, [sizes[i] for i in sorted(sizes)])))  # in key order
-        held = [torch.stack([qs[i] for i in members]).view(-1, m, r) for n, m, r, members in classes]
-        return [_orthogonalized(torch.where((torch.linalg.vector_norm(q, dim=1) > 0).all(1).view(-1, 1, 1), q, f),
-                                self.epsilon) for q, f in zip(held, fresh)]
+        starts = dict(zip(sorted(sizes), itertools.accumulate([0] + [sizes[i] for i in sorted(sizes)])))  # key order
+        held = [_stacked(kept, [starts[i] for i in members], (m, r)) for n, m, r, members in classes]
+        bases = {}
+        for group in _by_rank(held):  # every class of one r at once
+            q, views = _padded([held[c] for c in group])
+            usable = (torch.linalg.vector_norm(q, dim=1) > 0).all(1).view(-1, 1, 1)
+            _orthogonalize_(torch.where(usable, q, _padded([fresh[c] for c in group])[0], out=q), self.epsilon)
+            bases.update(zip(group, views))
+        return [bases[c] for c in range(len(classes))]
 
     @staticmethod
     def _in_key_order(layout, classes, per_class) -> torch.Tensor:
         """The classes' per-matrix values laid end to end in the order of the bucket's keys."""
         rows = {i: row for (n, m, r, members), values in zip(classes, per_class)
-                for i, row in zip(members, values.reshape(len(members), -1).unbind(0))}
-        return torch.cat([rows[i] for i in sorted(rows)])
+                for i, row in zip(members, values.unbind(0))}
+        ordered = [rows[i] for i in sorted(rows)]
+        if len({row.shape[1:] for row in ordered}) == 1:  # one cat of the matrices, each row-major, not a copy each
+            return torch.cat(ordered).view(-1)
+        return torch.cat([row.reshape(-1) for row in ordered])
 
     def bucket_payload_bytes(self, layout):
         classes, dense = self._bucket_plan(layout, self.dense_steps)
@@ -258,9 +267,54 @@ class PowerSGD(Compressor):
         return (n + m) * r * 4
 
 
-def _orthogonalized(a: torch.Tensor, epsilon: float) -> torch.Tensor:
-    """:func:`orthogonalize` of each matrix of the batch ``a`` (b x n x r) at once."""
-    a = a.clone()
+def _orthogonalized_together(batches: list, epsilon: float) -> list:
+    """:func:`orthogonalize` of each matrix of the batches (b_i x n_i x r_i), as new tensors: every batch of
+    one r in one Gram-Schmidt over their zero-padded stack (:func:`_padded`), whose operations do not grow
+    with the number of shapes.  Zero rows change no norm and no dot product, and stay zero: each matrix
+    gets its own result, up to the order of float sums."""
+    result = {}
+    for group in _by_rank(batches):
+        padded, views = _padded([batches[i] for i in group])
+        _orthogonalize_(padded, epsilon)
+        result.update(zip(group, views))
+    return [result[i] for i in range(len(batches))]
+
+
+def _stacked(flat: torch.Tensor, starts: list, shape: tuple) -> torch.Tensor:
+    """The matrices of ``shape`` starting at ``starts`` in the contiguous ``flat`` as one batch: a strided
+    view where they start at equal distances (no copy), else stacked into a new tensor."""
+    size = math.prod(shape)
+    step = starts[1] - starts[0] if len(starts) > 1 else size
+    if flat.is_contiguous() and step >= size and all(b - a == step for a, b in zip(starts, starts[1:])):
+        return flat.as_strided((len(starts), *shape), (step, shape[1], 1), flat.storage_offset() + starts[0])
+    return torch.stack([flat[s:s + size].view(shape) for s in starts])
+
+
+def _by_rank(batches: list) -> list:
+    """The indices of ``batches`` (b x n x r each) grouped by r, in order of first appearance."""
+    groups: dict = {}
+    for i, a in enumerate(batches):
+        groups.setdefault(a.shape[2], []).append(i)
+    return list(groups.values())
+
+
+def _padded(batches: list) -> tuple:
+    """(padded, views): the batches (b_i x n_i x r, one r) end to end in a new (sum b_i) x max n_i x r
+    tensor, zero below each matrix's n_i rows, and each batch's view of it (one batch: its clone)."""
+    if len(batches) == 1:
+        padded = batches[0].clone()
+        return padded, [padded]
+    padded = batches[0].new_zeros(sum(a.shape[0] for a in batches), max(a.shape[1] for a in batches), batches[0].shape[2])
+    views, at = [], 0
+    for a in batches:
+        views.append(padded[at:at + a.shape[0], :a.shape[1]])
+        views[-1].copy_(a)
+        at += a.shape[0]
+    return padded, views
+
+
+def _orthogonalize_(a: torch.Tensor, epsilon: float) -> torch.Tensor:
+    """:func:`orthogonalize` of each matrix of the batch ``a`` (b x n x r) at once, in place."""
     for i in range(a.shape[2]):
         col = a[:, :, i:i + 1]
         col /= torch.linalg.vector_norm(col, dim=1, keepdim=True) + epsilon
