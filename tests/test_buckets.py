@@ -384,6 +384,38 @@ def test_dgc_bucket_selection_is_select_per_tensor(ratio, power):
         assert torch.equal(piece[got].sort().values, piece[want].sort().values), i
 
 
+@pytest.mark.parametrize("drop_ratio, sample_ratio", [(0.9, 0.05), (0.5, 0.3), (0.99, 1.0)])
+def test_dropping_bucket_selection_is_select_per_tensor(drop_ratio, sample_ratio):
+    """Gradient dropping's bucket mask (every tensor's sample sorted at once, each threshold read off
+    it) is, tensor by tensor, what :meth:`GradientDropping.select` sends from the same sample start:
+    the same elements.  Sizes around the stride give full and short samples."""
+    from gradzip.compressors import sparse
+    from gradzip.compressors.base import TensorContext
+    from gradzip.compressors.bucket import BucketContext
+
+    shapes = [torch.Size(s) for s in [(8, 40), (40,), (8, 40), (), (19,), (0, 3), (64, 50), (3, 7), (1,)]]
+    dropping = make("dropping", drop_ratio=drop_ratio, sample_ratio=sample_ratio, feedback="none")
+    stride = max(1, round(1 / sample_ratio))
+    layout = BucketLayout([f"t{i}" for i in range(len(shapes))], shapes, torch.float32, torch.device("cpu"))
+    sent = 0
+    for step in range(3):
+        b = BucketContext(layout, step=step, seed=1)
+        p = torch.randn(layout.numel, generator=torch.Generator().manual_seed(step))
+        mask = dropping.bucket_mask(p, b)
+        draws = b.uniforms(len(layout), shared=False, salt="dropping")  # the sample starts the mask drew
+        for i, (shape, start, n) in enumerate(zip(shapes, layout.offsets, layout.numels)):
+            span = min(stride, n)
+            first = min(int(draws[i] * span), span - 1) if n else 0
+            dropping_i = make("dropping", drop_ratio=drop_ratio, sample_ratio=sample_ratio, feedback="none")
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(sparse, "strided_sample", lambda v, ratio, ctx, first=first: v[first::stride])
+                want = dropping_i.select(p[start:start + n].clone(), TensorContext(f"t{i}", shape, torch.float32, step=step))
+            got = mask[start:start + n].nonzero().view(-1)
+            assert torch.equal(got, want.sort().values), (step, i)
+            sent += got.numel()
+    assert sent > 0
+
+
 AUTO_TOPK = {"candidates": "topk:ratio=0.3", "warmup": 0, "trials": 1, "verify": 0}
 
 

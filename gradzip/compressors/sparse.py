@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -750,27 +750,18 @@ class GradientDropping(MaskedBucket, Sparsifier):
 
     def bucket_mask(self, p, b):
         """|p_i| >= t (and > 0) with t per tensor the keep-th largest of its sample as in :meth:`select`,
-        keep = s - floor(R s) for a sample of s: per size class, each row's strided sample from a start
-        drawn by counter for each rank (``b.uniforms(shared=False)``, once for the bucket), one topk of the
-        samples.  The exchange and its one host read: :class:`MaskedBucket`."""
-        layout, stride = b.layout, max(1, round(1 / self.sample_ratio))
-        thresholds = torch.zeros(len(layout), dtype=torch.float32, device=p.device)
-        draws = b.uniforms(len(layout), shared=False, salt="dropping")  # one draw: a class each its slice
-        counts = [len(s.members) for s in layout.classes]  # empty tensors are in no class: their draws unused
-        for size, drawn in zip(layout.classes, draws.split(counts + [len(layout) - sum(counts)])):
-            n, span = size.numel, min(stride, size.numel)
-            starts = drawn.mul(span).long().clamp_(max=span - 1)
-            width = -(-n // stride)  # the longest sample: from start 0
-            columns = starts.view(-1, 1) + stride * torch.arange(width, device=p.device)
-            outside = columns >= n
-            sample = layout.rows(p, size).gather(1, columns.clamp(max=n - 1)).abs_().masked_fill_(outside, -1.0)
-            s = width - outside.sum(dim=1)
-            keep = s - torch.floor(s.double() * self.drop_ratio).long()
-            top = sample.topk(width - math.floor(self.drop_ratio * width), dim=1).values  # descending
-            thresholds.index_copy_(0, class_members(layout, size), top.gather(1, keep.view(-1, 1) - 1).view(-1))
-        info = torch.finfo(torch.float32)
+        keep = s - floor(R s) for a sample of s: each tensor's strided sample from a start drawn by
+        counter for each rank (``b.uniforms(shared=False)``, once for the bucket), every sample sorted at
+        once (:meth:`_SamplePlan.sorted`) and each tensor's keep-th read off it.  The exchange and its one
+        host read: :class:`MaskedBucket`."""
+        layout = b.layout
+        plan = _dropping_plan(layout, max(1, round(1 / self.sample_ratio)), self.drop_ratio)
+        if not plan.sampled:  # every tensor empty
+            return torch.zeros(layout.numel, dtype=torch.bool, device=p.device)
+        sample, short = plan.sorted(p, b.uniforms(len(layout), shared=False, salt="dropping"), absolute=False)
+        thresholds = sample.take(torch.where(short, plan.keep_short, plan.keep_full))
         # The thresholds spread first: their int32 index is freed before |p| is made.
-        spread = layout.per_element(thresholds.clamp_min_(info.smallest_normal * info.eps))
+        spread = layout.per_element(thresholds.clamp_min_(_TINY))
         return torch.abs(p) >= spread
 
 
@@ -916,7 +907,7 @@ class DGC(MaskedBucket, Sparsifier):
     def _bucket_mask(self, p, b) -> torch.Tensor:
         """:meth:`select` for every tensor of the bucket at once, as a bool over it (the tensors sent
         whole are left to the caller): each tensor's strided sample of |v| from a start drawn by
-        counter per rank, sorted once for the whole bucket (:func:`_sorted_samples`); every retry's
+        counter per rank, sorted once for the whole bucket (:meth:`_SamplePlan.sorted`); every retry's
         threshold from it (:func:`_retry_thresholds`); the elements passing each of them counted in
         one comparison, and the first threshold passing at least 0.8 k kept (the last one where none
         does); tensors where more than k pass keep their exact top k (one ``topk`` per size class)."""
@@ -925,7 +916,7 @@ class DGC(MaskedBucket, Sparsifier):
                          self.density(self._stage(b.epoch, b.step)), self.lower_bound, self.max_retries)
         if plan is None:  # every tensor is sent whole
             return torch.zeros(layout.numel, dtype=torch.bool, device=p.device)
-        sample, short = _sorted_samples(absp, plan, b.uniforms(len(layout), shared=False, salt="dgc"))
+        sample, short = plan.sorted(absp, b.uniforms(len(layout), shared=False, salt="dgc"))
         lower = sample.take(torch.where(short, plan.ranks_short, plan.ranks_full))  # (retries + 1, tensors)
         thresholds = _retry_thresholds(lower).clamp_min_(_TINY)  # zeros are never sent (see _at_least)
         index = layout.segment_index()  # one int32 index spreads every per-tensor quantity below
@@ -966,60 +957,107 @@ def _whole_tensors(layout, min_numel: int) -> Optional[torch.Tensor]:
 _TINY = torch.finfo(torch.float32).smallest_normal * torch.finfo(torch.float32).eps
 
 
-class _DGCPlan:
-    """What DGC's bucket selection needs of a layout at one stride, min_numel, density and retry rule,
-    as device tensors built once (see :func:`_dgc_plan`).  The sample is laid out in *slots*: tensor i
-    (compressed and not empty) owns W_i = ceil(n_i / stride) consecutive slots, one per strided position
-    from start 0; a random start moves them all, and the last one may then fall past the tensor
-    ("short": a sample of W_i - 1).
+class _SamplePlan:
+    """Every sampled tensor's strided sample of a bucket, as device tensors built once per layout: the
+    sample is laid out in *slots*: tensor i (sampled and not empty) owns W_i = ceil(n_i / stride)
+    consecutive slots, one per strided position from start 0; a random start moves them all, and the
+    last one may then fall past the tensor ("short": a sample of W_i - 1).
 
     ``slot_tensor``, ``slot_base``, ``slot_last``: per slot, its tensor, its position in the bucket from
     start 0, and its tensor's last position.  ``span`` (float32) and ``span_max``: per tensor, the starts
-    drawn, 0 to span - 1 (span = min(stride, n)).  ``last_slot``: per tensor, its last slot.
+    drawn, 0 to span - 1 (span = min(stride, n)).  ``last_slot``: per tensor, its last slot.  ``sampled``:
+    whether any tensor is.  ``layout``: the bucket's layout.
+    """
+
+    def __init__(self, layout, stride: int, sampled: Sequence[bool]):
+        self.layout = layout
+        tensor, base, last, last_slot, spans = [], [], [], [], []
+        self._slots = []  # per tensor: (first slot, W)
+        for i, (offset, n, yes) in enumerate(zip(layout.offsets, layout.numels, sampled)):
+            spans.append(max(1, min(stride, n)))
+            width = -(-n // stride) if n and yes else 0
+            first = len(tensor)
+            self._slots.append((first, width))
+            tensor += [i] * width
+            base += range(offset, offset + stride * width, stride)
+            last += [offset + n - 1] * width
+            last_slot.append(first + width - 1 if width else 0)
+        self.sampled = bool(tensor)
+        self.slot_tensor, self.slot_base, self.slot_last = (self._device(v) for v in (tensor, base, last))
+        self.span, self.span_max = self._device(spans, torch.float32), self._device([s - 1 for s in spans])
+        self.last_slot = self._device(last_slot)
+
+    def _device(self, values, dtype=torch.int64) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=self.layout.device)
+
+    def rank_slots(self, ranks_of) -> tuple:
+        """(full, short): per rank j (rows) and tensor (columns), the slot of the sample's r_j-th largest
+        value once sorted (:meth:`sorted`), where ``ranks_of(s)`` gives the list of r_j (from 1) for a
+        sample of s values: s = W (full) or W - 1 (short); 0 for a tensor not sampled."""
+        full, short = [], []
+        for first, width in self._slots:
+            for slots, s in ((full, width), (short, max(width - 1, 1))):
+                slots.append([first + r - 1 if width else 0 for r in ranks_of(s)])
+        return self._device(full).T.contiguous(), self._device(short).T.contiguous()
+
+    def sorted(self, absp: torch.Tensor, uniforms: torch.Tensor, absolute: bool = True) -> tuple:
+        """(every sampled tensor's strided sample of ``absp``, sorted in descending order within the
+        tensor's slots, a slot past the tensor last (as -1: below every |v|); per tensor whether its
+        sample is short), the start of tensor i being floor(uniforms[i] span_i).  One sort by value,
+        then a stable one by tensor.  ``absolute=False``: ``absp`` is signed, and its sample is taken
+        in magnitude (no bucket-sized |x| needed for it)."""
+        starts = torch.minimum(uniforms.mul_(self.span).long(), self.span_max)
+        positions = self.slot_base + starts.index_select(0, self.slot_tensor)
+        outside = positions > self.slot_last
+        values = absp.index_select(0, torch.minimum(positions, self.slot_last))
+        values = (values if absolute else values.abs_()).masked_fill_(outside, -1.0)
+        values, order = values.sort(descending=True, stable=True)
+        by_tensor = self.slot_tensor.index_select(0, order).sort(stable=True).indices
+        return values.index_select(0, by_tensor), outside.index_select(0, self.last_slot)
+
+
+class _DGCPlan(_SamplePlan):
+    """What DGC's bucket selection needs of a layout at one stride, min_numel, density and retry rule,
+    as device tensors built once (see :func:`_dgc_plan`): the samples of the compressed tensors
+    (:class:`_SamplePlan`), and
+
     ``ranks_full``, ``ranks_short``: per retry j = 0..R (rows) and tensor (columns), the slot of the
     sample's min(r 2^j, s)-th largest value once sorted, r = ceil(density s), for a sample of s = W
     (full) or W - 1 (short).  ``enough``: per retry and tensor, ceil(lower_bound k) (float64), -inf at
     the last retry (taken when none before passed enough).  ``k``: per tensor, ceil(density n) (float64).
-    ``layout``: the bucket's layout (whose tensors :func:`_counts_at_least` counts over).
     ``classes``: (members, k, starts as a column) of each size class with a compressed tensor.
     ``true``: a 0-d True to write with.
     """
 
     def __init__(self, layout, stride: int, min_numel: int, density: float, lower_bound: float, retries: int):
-        tensor, base, last, last_slot, full, short, spans, enough, ks = [], [], [], [], [], [], [], [], []
-        for i, (shape, offset, n) in enumerate(zip(layout.shapes, layout.offsets, layout.numels)):
-            k = math.ceil(density * n)
-            ks.append(float(k))
-            enough.append([float(math.ceil(lower_bound * k))] * retries + [-math.inf])
-            spans.append(max(1, min(stride, n)))
-            width = -(-n // stride) if n and _compressed(shape, min_numel) else 0
-            first = len(tensor)
-            tensor += [i] * width
-            base += range(offset, offset + stride * width, stride)
-            last += [offset + n - 1] * width
-            last_slot.append(first + width - 1 if width else 0)
-            for ranks, s in ((full, width), (short, max(width - 1, 1))):
-                r = math.ceil(s * density)
-                ranks.append([first + min(r << j, s) - 1 if width else 0 for j in range(retries + 1)])
-        self.sampled = bool(tensor)
-
-        def device(values, dtype=torch.int64):
-            return torch.tensor(values, dtype=dtype, device=layout.device)
-
-        self.slot_tensor, self.slot_base, self.slot_last = device(tensor), device(base), device(last)
-        self.span, self.span_max = device(spans, torch.float32), device([s - 1 for s in spans])
-        self.last_slot = device(last_slot)
-        self.ranks_full, self.ranks_short = device(full).T.contiguous(), device(short).T.contiguous()
-        self.enough, self.k = device(enough, torch.float64).T.contiguous(), device(ks, torch.float64)
-        self.layout = layout
+        super().__init__(layout, stride, [_compressed(shape, min_numel) for shape in layout.shapes])
+        ks = [math.ceil(density * n) for n in layout.numels]
+        self.ranks_full, self.ranks_short = self.rank_slots(
+            lambda s: [min(math.ceil(s * density) << j, s) for j in range(retries + 1)])
+        enough = [[float(math.ceil(lower_bound * k))] * retries + [-math.inf] for k in ks]
+        self.enough, self.k = self._device(enough, torch.float64).T.contiguous(), self._device(ks, torch.float64)
         self.classes = [(size.members, math.ceil(density * size.numel), size.starts.view(-1, 1))
                         for size in layout.classes
                         if any(_compressed(layout.shapes[i], min_numel) for i in size.members)]
         self.true = torch.ones((), dtype=torch.bool, device=layout.device)
 
 
-#: Per bucket layout: DGC's plans by (stride, min_numel, density, lower_bound, retries).
+#: Per bucket layout: DGC's plans by (stride, min_numel, density, lower_bound, retries), gradient
+#: dropping's by ("dropping", stride, drop_ratio).
 _PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _dropping_plan(layout, stride: int, drop_ratio: float) -> _SamplePlan:
+    """Gradient dropping's samples of every non-empty tensor (:class:`_SamplePlan`) and the slots of
+    their keep-th largest values, keep = s - floor(R s), full and short (``keep_full``, ``keep_short``:
+    one per tensor), built once per layout."""
+    cached = _PLANS.setdefault(layout, {})
+    key = ("dropping", stride, drop_ratio)
+    if key not in cached:
+        plan = cached[key] = _SamplePlan(layout, stride, [True] * len(layout))
+        full, short = plan.rank_slots(lambda s: [s - math.floor(drop_ratio * s)])
+        plan.keep_full, plan.keep_short = full[0], short[0]
+    return cached[key]
 
 
 def _dgc_plan(layout, *key) -> Optional[_DGCPlan]:
@@ -1029,20 +1067,6 @@ def _dgc_plan(layout, *key) -> Optional[_DGCPlan]:
     if key not in cached:
         cached[key] = _DGCPlan(layout, *key)
     return cached[key] if cached[key].sampled else None
-
-
-def _sorted_samples(absp: torch.Tensor, plan: _DGCPlan, uniforms: torch.Tensor) -> tuple:
-    """(every sampled tensor's strided sample of ``absp``, sorted in descending order within the tensor's
-    slots, a slot past the tensor last (as -1: below every |v|); per tensor whether its sample is
-    short), the start of tensor i being floor(uniforms[i] span_i).  One sort by value, then a stable
-    one by tensor."""
-    starts = torch.minimum(uniforms.mul_(plan.span).long(), plan.span_max)
-    positions = plan.slot_base + starts.index_select(0, plan.slot_tensor)
-    outside = positions > plan.slot_last
-    values = absp.index_select(0, torch.minimum(positions, plan.slot_last)).masked_fill_(outside, -1.0)
-    values, order = values.sort(descending=True, stable=True)
-    by_tensor = plan.slot_tensor.index_select(0, order).sort(stable=True).indices
-    return values.index_select(0, by_tensor), outside.index_select(0, plan.last_slot)
 
 
 def _retry_thresholds(lower: torch.Tensor) -> torch.Tensor:
