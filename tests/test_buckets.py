@@ -416,6 +416,21 @@ def test_dropping_bucket_selection_is_select_per_tensor(drop_ratio, sample_ratio
     assert sent > 0
 
 
+def test_csc_bucket_selection_breaks_ties_as_per_tensor():
+    """Chunk norms that tie (every element +-1 or 0) are picked as the per-tensor route picks them: the
+    lower chunk first, within each tensor, over the bucket's one sort."""
+    shapes = [(6, 4), (5,), (6, 4), (3, 3), (0,), (7, 2)]
+    numels = [torch.Size(s).numel() for s in shapes]
+    bucketed, reference = (GradzipState("csc", bucketed=flag, chunk_size=4, ratio=0.4) for flag in (True, False))
+    for step in range(3):
+        flat = torch.randint(-1, 2, (sum(numels),), generator=torch.Generator().manual_seed(step)).float()
+        named = [(f"t{i}", v.view(s)) for i, (v, s) in enumerate(zip(torch.split(flat, numels), shapes))]
+        expected = reference.exchange([(k, g.clone()) for k, g in named])
+        bucketed.exchange(named, out=[g for _, g in named])
+        for (key, got), want in zip(named, expected):
+            assert torch.equal(got, want), (step, key)
+
+
 AUTO_TOPK = {"candidates": "topk:ratio=0.3", "warmup": 0, "trials": 1, "verify": 0}
 
 

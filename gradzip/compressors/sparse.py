@@ -1192,8 +1192,9 @@ class CSC(SharedSparsifier):
     def bucket_exchange(self, p, b):
         """Per tensor the chunks of :meth:`exchange`: every chunk norm of the bucket by one segmented
         sum of |p| over its chunk lengths (each tensor's last chunk shorter: the zero-padded one's
-        norm), all allreduced at once; per size class one stable descending sort of each row's summed
-        norms picks its first kc (ties to the lower chunk, as :func:`largest_first`); the values of the
+        norm), all allreduced at once; one stable descending sort of all the summed norms, then a stable
+        one by tensor, puts each tensor's chunks in descending order (ties to the lower chunk, as
+        :func:`largest_first`), and its first kc are picked at slots fixed by the layout; the values of the
         picked chunks allreduced as :meth:`reduce_at` does (divided by N before a 16-bit cast).
         Wire: 4 * chunks + kc * chunk_size values per tensor: a picked last chunk's padding is sent as
         zeros (so the size is fixed by the shapes), and dropped by the receivers.  ``sent`` and its
@@ -1201,16 +1202,13 @@ class CSC(SharedSparsifier):
         layout, c, n = b.layout, self.chunk_size, b.layout.numel
         vdtype = self._vdtype or layout.dtype
         pre = b.world_size if vdtype.itemsize == 2 else 1
-        firsts = _first_chunks(layout, c)
+        plan = _chunk_plan(layout, c, self.ratio)
         norms = yield AllReduce(layout.chunk_reduce(p.abs(), "sum", c))
-        positions = []
-        for size, first in zip(layout.classes, firsts):
-            chunks = -(-size.numel // c)
-            rows = norms.index_select(0, (first.view(-1, 1) + torch.arange(chunks, device=p.device)).view(-1))
-            top = rows.view(-1, chunks).sort(dim=1, descending=True, stable=True).indices[:, :math.ceil(self.ratio * chunks)]
-            at = (top.unsqueeze(2) * c + torch.arange(c, device=p.device)).view(len(size.members), -1)
-            positions.append(torch.where(at < size.numel, at + size.starts.view(-1, 1), n).view(-1))  # padding: n
-        at = torch.cat(positions) if positions else torch.empty(0, dtype=torch.int64, device=p.device)
+        order = norms.sort(descending=True, stable=True).indices
+        by_tensor = plan.chunk_tensor.index_select(0, order).sort(stable=True).indices
+        top = order.index_select(0, by_tensor.index_select(0, plan.kept_slots))  # each tensor's first kc
+        at = plan.starts.index_select(0, top).view(-1, 1) + plan.lanes
+        at = torch.where(plan.lanes < plan.lengths.index_select(0, top).view(-1, 1), at, n).view(-1)  # padding: n
         values = torch.cat([p, p.new_zeros(1)]).index_select(0, at)  # the padding's values are zero
         payload = wire_cast(_times(values, 1 / pre), vdtype, self.saturates, summed=pre)
         total = yield AllReduce(payload)
@@ -1226,19 +1224,35 @@ class CSC(SharedSparsifier):
         return 4 * sum(chunks) + kept * (self._vdtype or layout.dtype).itemsize
 
 
-#: Per bucket layout and chunk size: each size class's members' first chunk (see _first_chunks).
-_FIRSTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+#: Per bucket layout: CSC's chunk plans by (chunk size, ratio) (see _chunk_plan).
+_CHUNK_PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _first_chunks(layout, c: int) -> list:
-    """Per size class, the index of each member's first chunk among the bucket's chunks of ``c``
-    elements (:meth:`BucketLayout.chunk_lengths`' order), as int64 device tensors built once per layout."""
-    cached = _FIRSTS.setdefault(layout, {})
-    if c not in cached:
-        firsts = [sum(-(-m // c) for m in layout.numels[:i]) for i in range(len(layout))]
-        cached[c] = [torch.tensor([firsts[i] for i in size.members], dtype=torch.int64, device=layout.device)
-                     for size in layout.classes]
-    return cached[c]
+class _ChunkPlan:
+    """CSC's chunks of a bucket (:meth:`BucketLayout.chunk_offsets`), as device tensors built once:
+    per chunk its tensor (``chunk_tensor``), start and length; ``kept_slots``: once the chunks are
+    grouped by tensor, each group in descending order of norm, the slots of each tensor's first
+    ceil(ratio * chunks); ``lanes``: 0 .. c - 1."""
+
+    def __init__(self, layout, c: int, ratio: float):
+        device = layout.device
+        offsets = layout.chunk_offsets(c)
+        self.starts, self.lengths = offsets[:-1], offsets.diff()
+        tensors, slots = [], []
+        for i, n in enumerate(layout.numels):
+            chunks = -(-n // c)
+            slots += range(len(tensors), len(tensors) + math.ceil(ratio * chunks))
+            tensors += [i] * chunks
+        self.chunk_tensor = torch.tensor(tensors, dtype=torch.int64, device=device)
+        self.kept_slots = torch.tensor(slots, dtype=torch.int64, device=device)
+        self.lanes = torch.arange(c, device=device)
+
+
+def _chunk_plan(layout, c: int, ratio: float) -> _ChunkPlan:
+    cached = _CHUNK_PLANS.setdefault(layout, {})
+    if (c, ratio) not in cached:
+        cached[(c, ratio)] = _ChunkPlan(layout, c, ratio)
+    return cached[(c, ratio)]
 
 
 @kernels.fused(min_numel=kernels.LARGE_NUMEL)
