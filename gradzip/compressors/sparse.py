@@ -7,6 +7,7 @@ values alone and send no indices.  Indices use the smallest integer dtype that a
 """
 from __future__ import annotations
 
+import itertools
 import math
 import weakref
 from typing import Optional, Sequence
@@ -1255,6 +1256,45 @@ def _chunk_plan(layout, c: int, ratio: float) -> _ChunkPlan:
     return cached[(c, ratio)]
 
 
+def _signed_counts(p: torch.Tensor, layout) -> torch.Tensor:
+    """Per tensor of the bucket, |{p_i > 0}| and |{p_i < 0}| (2, tensors), float64: each comparison
+    written as 1.0 / 0.0 into one float32 buffer and summed by :meth:`BucketLayout.reduce` (exact: float32
+    within a piece, float64 over a tensor's pieces)."""
+    marked = torch.empty_like(p, dtype=torch.float32)
+    return torch.stack([layout.reduce(compare(p, 0, out=marked), "sum", total=torch.float64)
+                        for compare in (torch.gt, torch.lt)])
+
+
+class _AdaptivePlan:
+    """What adaptive threshold's bucket route needs of a layout, built once: ``class_order`` and
+    ``class_offsets``, the tensors grouped by size class (for each class's peaks by one segmented max);
+    per class ``both_sides``, its members' places among (k+ of every tensor, then k-), and
+    ``both_starts``, their starts in the bucket then those plus n (P's marks, then M's, in one flat
+    mask); ``zero``, a float32 0."""
+
+    def __init__(self, layout):
+        device, members = layout.device, [size.members for size in layout.classes]
+        order = [i for m in members for i in m]
+        self.class_order = torch.tensor(order, dtype=torch.int64, device=device)
+        self.class_offsets = torch.tensor([0, *itertools.accumulate(len(m) for m in members)], dtype=torch.int64,
+                                          device=device)
+        self.both_sides = [torch.tensor([*m, *(i + len(layout) for i in m)], dtype=torch.int64, device=device)
+                           for m in members]
+        self.both_starts = [torch.cat([size.starts, size.starts + layout.numel]).view(-1, 1) for size in layout.classes]
+        self.zero = torch.zeros((), device=device)
+
+
+#: Per bucket layout: adaptive threshold's plan (see _AdaptivePlan).
+_ADAPTIVE_PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _adaptive_plan(layout) -> _AdaptivePlan:
+    plan = _ADAPTIVE_PLANS.get(layout)
+    if plan is None:
+        plan = _ADAPTIVE_PLANS[layout] = _AdaptivePlan(layout)
+    return plan
+
+
 @kernels.fused(min_numel=kernels.LARGE_NUMEL)
 def _signs_counted(flat):
     """|{x_i > 0}| and |{x_i < 0}| in one read of x (a comparison and a count each cost about a pass)."""
@@ -1335,15 +1375,15 @@ class AdaptiveThreshold(Compressor):
         (mu+, mu-) + (K+ + K-) positions in the bucket, this rank's own first, padded with position n
         (dropped by the receivers), which decode to the mean of the tensor they lie in."""
         layout, n = b.layout, b.layout.numel
-        rows = [layout.rows(p, size) for size in layout.classes]
-        ks = [torch.ceil(torch.stack([(r > 0).sum(dim=1), (r < 0).sum(dim=1)]).double() * self.ratio).long()
-              for r in rows]  # per class: (2, members) k+ and k-
-        own = torch.cat(ks, dim=1).sum(dim=1) if ks else torch.zeros(2, dtype=torch.int64, device=p.device)
+        plan = _adaptive_plan(layout)
+        ks = torch.ceil(_signed_counts(p, layout).mul_(self.ratio))  # (2, tensors): k+ and k-, exact in float64
+        own = ks.sum(dim=1)
         most = yield AllReduce(own, op="max")
-        peaks = [k.amax(dim=1) for k in ks]
-        read = torch.cat([most, own, *peaks]).tolist()  # the bucket's one host read
+        peaks = torch.segment_reduce(ks.T.index_select(0, plan.class_order), "max", offsets=plan.class_offsets,
+                                     unsafe=True, initial=0.0)  # per class (k+ max, k- max)
+        read = [int(v) for v in torch.cat([most, own, peaks.view(-1)]).tolist()]  # the bucket's one host read
         self.__dict__.setdefault("_bucket_kept", {})[layout.keys] = read[0] + read[1]
-        means, marks = self._bucket_sides(p, layout, rows, ks, read[4:])
+        means, marks = self._bucket_sides(p, layout, ks, read[4:], plan)
         itype = index_dtype(n + 1)
         sides = [torch.nonzero_static(mark, size=size, fill_value=n).view(-1) for mark, size in zip(marks, read[:2])]
         gathered = yield AllGather((means, *(side.to(itype) for side in sides)))
@@ -1358,22 +1398,24 @@ class AdaptiveThreshold(Compressor):
         values = [means.view(2, -1)[s].index_select(0, torch.searchsorted(ends, at, right=True)) for s, at in enumerate(own_at)]
         return Exchanged(total[:n].div_(b.world_size), sparse=(torch.cat(own_at), torch.cat(values)))
 
-    def _bucket_sides(self, p, layout, rows, ks, peaks):
+    def _bucket_sides(self, p, layout, ks, peaks, plan):
         """(means: mu+ of every tensor then mu- of every tensor, fp32; the bool masks of P and M over
-        the bucket), from each size class's rows, k (2, members) and its peaks [k+ max, k- max, ...]."""
-        means = torch.zeros(2, len(layout), dtype=torch.float32, device=p.device)
-        marks = torch.zeros(2, layout.numel, dtype=torch.bool, device=p.device)
-        for c, (size, r, k) in enumerate(zip(layout.classes, rows, ks)):
-            for side in (0, 1):
-                peak = peaks[2 * c + side]
-                if not peak:
-                    continue
-                values, idx = r.topk(peak, dim=1, largest=side == 0)  # sorted: its first k are kept
-                kept = torch.arange(peak, device=p.device) < k[side].view(-1, 1)
-                sums = torch.where(kept, values, 0.0).sum(dim=1)
-                means[side].index_copy_(0, class_members(layout, size), sums / k[side].clamp(min=1))
-                marks[side].index_put_((idx.add_(size.starts.view(-1, 1)).view(-1),), kept.view(-1))
-        return means.view(-1), marks
+        the bucket), from k (2, tensors) and each size class's peaks [k+ max, k- max, ...]: per class
+        its rows' largest and smallest values (each topk as long as the larger peak, sorted: the first
+        k of each row are kept), both sides' sums, means and marks at once (rows + then rows -)."""
+        means = torch.zeros(2 * len(layout), dtype=torch.float32, device=p.device)
+        marks = torch.zeros(2 * layout.numel, dtype=torch.bool, device=p.device)  # P's, then M's
+        for c, (size, both, starts) in enumerate(zip(layout.classes, plan.both_sides, plan.both_starts)):
+            peak = max(peaks[2 * c], peaks[2 * c + 1])
+            if not peak:
+                continue
+            r, k = layout.rows(p, size), ks.view(-1).index_select(0, both)
+            (largest, at_largest), (smallest, at_smallest) = r.topk(peak, dim=1), r.topk(peak, dim=1, largest=False)
+            kept = torch.arange(peak, device=p.device) < k.view(-1, 1)
+            sums = torch.where(kept, torch.cat([largest, smallest]), plan.zero).sum(dim=1)
+            means.index_copy_(0, both, sums.div_(k.clamp_(min=1)))
+            marks.index_put_((torch.cat([at_largest, at_smallest]).add_(starts).view(-1),), kept.view(-1))
+        return means, marks.view(2, -1)
 
     def bucket_payload_bytes(self, layout, kept: Optional[int] = None):
         """Bytes sent for K+ + K- = ``kept`` positions (None: those of this bucket's last exchange)."""
