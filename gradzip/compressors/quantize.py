@@ -127,6 +127,13 @@ def _pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return (padded.view(-1, per) << _code_shifts(bits, device)).sum(dim=1, dtype=torch.uint8)
 
 
+def _bytes_looked_up(packed: torch.Tensor, table: torch.Tensor, n: int) -> torch.Tensor:
+    """The values (a :func:`gradzip.bits.byte_table`) of the first n codes packed in ``packed``, as a new
+    flat tensor: one gather of a row per byte (two operations where unpacking and converting each code
+    take five or more).  The last byte's unused codes are gathered too, then cut off."""
+    return table.index_select(0, packed.int()).view(-1)[:n]
+
+
 def _unpack_codes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """Inverse of :func:`_pack_codes`: the first n codes (uint8 where 8 % bits == 0, else int32)."""
     device = packed.device
@@ -422,8 +429,11 @@ class QSGD(GatheredCompressor):
         """Q of one rank's bucket payload: (sign * xi) * (||v|| / s), flat float32 (``index``: the
         layout's chunk index, if made already)."""
         norms, packed = fields
-        codes = _unpack_codes(packed, self._bits, layout.numel)
-        value = (codes >> 1).float().mul_((codes & 1).float().mul_(-2).add_(1))  # 0 with the sign bit: -0.0
+        if 8 % self._bits == 0:  # whole codes in each byte: the bytes' sign * xi looked up, 2 operations
+            value = _bytes_looked_up(packed, _signed_level_bytes(self._bits, packed.device), layout.numel)
+        else:
+            codes = _unpack_codes(packed, self._bits, layout.numel)
+            value = (codes >> 1).float().mul_((codes & 1).float().mul_(-2).add_(1))  # 0 with the sign bit: -0.0
         return value.mul_(layout.per_chunk(norms.float() / self.levels, self.bucket_size, index))
 
     def bucket_payload_bytes(self, layout):
@@ -601,13 +611,14 @@ class TernGrad(Compressor):
         del positive, up, codes  # bucket-sized: not to be held across the allgather and the decoding
         gathered = yield AllGather((packed,))
         total = None
+        table = _ternary_bytes(p.device)
         for (got,) in gathered:  # trits in {-1, 0, 1}: exact sums
-            t = _unpack_codes(got, 2, n).float().sub_(1)
+            t = _bytes_looked_up(got, table, n)
             total = t if total is None else total.add_(t)
         scale = layout.per_element(s)
         # N trits summed, times s: |sum| <= N max_i s_i, and the mean is at most that
         return Exchanged(total.mul_(scale).div_(b.world_size),
-                         lambda: _unpack_codes(packed, 2, n).float().sub_(1).mul_(scale),
+                         lambda: _bytes_looked_up(packed, table, n).mul_(scale),
                          bound=s.abs().amax() * b.world_size)
 
     def bucket_payload_bytes(self, layout):
