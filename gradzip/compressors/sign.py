@@ -402,14 +402,18 @@ class OneBit(GatheredCompressor):
         b's, fp32, 8 bytes per column of its non-empty tensors, and its bits together, ceil(n / 8)."""
         layout, world = b.layout, b.world_size
         groups, columns, plan = _columns(layout)
-        pos_means, neg_means = [], []
+        sums, counts = ([], []), ([], [])  # per side (>= 0, < 0), per group
         for size, rows, cols in groups:
             M = layout.rows(p, size).view(-1, rows, cols)
             pos = M >= 0
             count = pos.sum(dim=1, dtype=torch.int32)
-            pos_means.append((torch.where(pos, M, 0.0).sum(dim=1) / count.clamp(min=1)).reshape(-1))
-            neg_means.append((torch.where(pos, 0.0, M).sum(dim=1) / (rows - count).clamp(min=1)).reshape(-1))
-        means = torch.cat(pos_means + neg_means) if groups else p.new_empty(0)  # a bucket of empty tensors
+            sums[0].append(torch.where(pos, M, plan.zero).sum(dim=1).view(-1))
+            sums[1].append(torch.where(pos, plan.zero, M).sum(dim=1).view(-1))
+            counts[0].append(count.view(-1))
+            counts[1].append((rows - count).view(-1))
+        # every group's means by one division: a's of every group, then b's
+        means = torch.cat(sums[0] + sums[1]).div_(torch.cat(counts[0] + counts[1]).clamp_(min=1)) if groups \
+            else p.new_empty(0)  # a bucket of empty tensors
         gathered = yield AllGather((means, pack_signs(p)))
 
         at = plan.column_index().mul_(2).add_(1)  # 2 j + 1 for an element of column j
@@ -471,6 +475,7 @@ class _ColumnIndex:
 
     def __init__(self, layout, first_column: dict, columns: int):
         device = layout.device
+        self.zero = torch.zeros((), device=device)  # what torch.where writes where a side does not hold
         self.numel, self.dtype = layout.numel, torch.int32 if columns < 2**31 else torch.int64
         changes_at, changes, jumps_at, jumps = [], [], [], []
         step, previous = 0, 0  # the step inside the tensor before, and the last element's column
