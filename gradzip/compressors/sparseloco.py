@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from typing import Optional
 
 import torch
@@ -91,7 +92,12 @@ class SparseLoCo(Compressor):
         rows, width = block.shape
         magnitudes = workspace("sparseloco.abs", block.numel(), block.dtype, block.device).view(rows, width)
         local = torch.topk(torch.abs(block, out=magnitudes), k, dim=1, sorted=False).indices
-        values = block.gather(1, local)
+        return (*SparseLoCo.encode_values(block.gather(1, local), k), local)
+
+    @staticmethod
+    def encode_values(values: torch.Tensor, k: int) -> tuple:
+        """The levels (lo, hi per row, flat) and 2-bit codes (one per byte, flat) of each row's k kept
+        values (rows, k)."""
         magnitude = values.abs()
         large = magnitude > magnitude.sum(dim=1, keepdim=True) / max(k, 1)
         zero = magnitude.new_zeros(())
@@ -99,7 +105,7 @@ class SparseLoCo(Compressor):
         # A selection, not magnitude * large: inf * 0 would be NaN.
         hi = torch.where(large, magnitude, zero).sum(dim=1) / n_large.clamp(min=1)
         lo = torch.where(large, zero, magnitude).sum(dim=1) / (k - n_large).clamp(min=1)
-        return torch.stack([lo, hi], dim=1).reshape(-1), (large.to(torch.uint8) * 2 + (values < 0)).reshape(-1), local
+        return torch.stack([lo, hi], dim=1).reshape(-1), (large.to(torch.uint8) * 2 + (values < 0)).reshape(-1)
 
     def decode(self, fields: tuple, n: int) -> tuple:
         """(unique int64 positions in the flattened tensor, float32 values) of one rank's payload."""
@@ -143,34 +149,38 @@ class SparseLoCo(Compressor):
     bucketed = True
     bucket_state = (state_key,)
 
-    def bucket_blocks(self, p: torch.Tensor, layout) -> list:
-        """The bucket's chunks as blocks of rows of one width: per size class its full chunks, then its
-        tensors' shorter last chunks: (rows (R, width) of ``p``, each row's start in the bucket (R,), k)."""
-        blocks = []
-        for size in layout.classes:
-            full, rest = divmod(size.numel, self.chunk)
-            rows = layout.rows(p, size)
-            for start, width, count in ((0, self.chunk, full), (full * self.chunk, rest, int(rest > 0))):
-                if count:
-                    at = size.starts.view(-1, 1) + start + width * torch.arange(count, device=p.device)
-                    block = rows[:, start:start + count * width].reshape(-1, width)
-                    blocks.append((block, at.view(-1), self.kept_of(width)))
-        return blocks
+    def bucket_blocks(self, layout) -> list:
+        """The bucket's chunks as blocks of rows of one width, built once per layout: every full chunk
+        of every tensor in one block, then each width of the tensors' shorter last chunks in one:
+        (each row's start in the bucket (R,) on the device, width, k)."""
+        cached = _BLOCKS.setdefault(layout, {})
+        if (self.chunk, self.density) not in cached:
+            by_width: dict = {}
+            for offset, n in zip(layout.offsets, layout.numels):
+                full, rest = divmod(n, self.chunk)
+                by_width.setdefault(self.chunk, []).extend(range(offset, offset + full * self.chunk, self.chunk))
+                if rest:
+                    by_width.setdefault(rest, []).append(offset + full * self.chunk)
+            cached[(self.chunk, self.density)] = [
+                (torch.tensor(starts, dtype=torch.int64, device=layout.device), width, self.kept_of(width))
+                for width, starts in by_width.items() if starts]
+        return cached[(self.chunk, self.density)]
 
     def bucket_index_dtype(self, layout) -> torch.dtype:
         return index_dtype(min(self.chunk, max(layout.numels, default=0)))
 
     def bucket_exchange(self, p, b):
-        """e = beta e + p and C(e) as in :meth:`exchange`, each chunk of each tensor a row: one topk per
-        size class for its tensors' full chunks and one for their last, shorter ones.  Wire: the
+        """e = beta e + p and C(e) as in :meth:`exchange`, each chunk of each tensor a row: one topk for
+        every full chunk of the bucket and one for each width of the tensors' last, shorter ones
+        (:meth:`bucket_blocks`).  Wire: the
         bucket's chunks' levels (fp32 lo, hi each), its K codes packed four per byte by tensor
         operations, and K chunk-local indices in the smallest dtype that addresses min(chunk, the
         largest tensor's n) positions."""
         layout = b.layout
         old = b.get(self.state_key)
         e = torch.clone(p) if old is None else torch.mul(old, times_scale(self.decay, b.scale)).add_(p)
-        blocks = self.bucket_blocks(e, layout)
-        encoded = [self.encode_rows(block, k) for block, _, k in blocks]
+        blocks = self.bucket_blocks(layout)
+        encoded = [self._encode_block(e, starts, width, k) for starts, width, k in blocks]
         empty = e.new_empty(0)
         levels = torch.cat([lv for lv, _, _ in encoded]) if encoded else empty
         codes = torch.cat([c for _, c, _ in encoded]) if encoded else empty.to(torch.uint8)
@@ -187,6 +197,15 @@ class SparseLoCo(Compressor):
         b.set(self.state_key, unscale_(e, b.scale))
         return Exchanged(total.div_(b.world_size), sparse=own)
 
+    @staticmethod
+    def _encode_block(e: torch.Tensor, starts: torch.Tensor, width: int, k: int) -> tuple:
+        """:meth:`encode_rows` of the chunks of ``e`` (flat) starting at ``starts``, each ``width`` long:
+        the rows copied out (one gather), their |e| taken in place, the kept values read from ``e``."""
+        rows = e.unfold(0, width, 1).index_select(0, starts)
+        local = torch.topk(rows.abs_(), k, dim=1, sorted=False).indices
+        values = e.index_select(0, (local + starts.view(-1, 1)).view(-1)).view(-1, k)
+        return (*SparseLoCo.encode_values(values, k), local)
+
     def bucket_decode(self, fields: tuple, blocks: list, kept: int) -> tuple:
         """(unique int64 positions in the bucket, float32 values) of one rank's bucket payload."""
         levels, packed, idx = fields
@@ -194,8 +213,8 @@ class SparseLoCo(Compressor):
         levels = levels.view(-1, 2)
         positions, values = [], []
         row = at = 0
-        for block, starts, k in blocks:
-            rows = block.shape[0]
+        for starts, width, k in blocks:
+            rows = starts.numel()
             c = codes[at:at + rows * k].view(rows, k)
             magnitude = levels[row:row + rows].gather(1, c >> 1)
             values.append(torch.where((c & 1).bool(), -magnitude, magnitude).reshape(-1))
@@ -223,6 +242,10 @@ def _pack2(codes: torch.Tensor) -> torch.Tensor:
 def _unpack2(packed: torch.Tensor, n: int) -> torch.Tensor:
     """Inverse of :func:`_pack2`: the first n codes (uint8)."""
     return ((packed.unsqueeze(1) >> _shifts2(packed.device)) & 3).view(-1)[:n]
+
+
+#: Per bucket layout: SparseLoCo's blocks by (chunk, density) (see SparseLoCo.bucket_blocks).
+_BLOCKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 @functools.lru_cache(maxsize=8)
