@@ -9,6 +9,7 @@ import torch
 
 from .. import devices, kernels
 from .base import AllReduce, Compressor, Exchanged, TensorContext
+from .bucket import stacked_at
 from .registry import register
 
 
@@ -237,7 +238,7 @@ class PowerSGD(Compressor):
             return _orthogonalized_together(fresh, self.epsilon)
         sizes = {i: m * r for n, m, r, members in classes for i in members}
         starts = dict(zip(sorted(sizes), itertools.accumulate([0] + [sizes[i] for i in sorted(sizes)])))  # key order
-        held = [_stacked(kept, [starts[i] for i in members], (m, r)) for n, m, r, members in classes]
+        held = [stacked_at(kept, [starts[i] for i in members], (m, r)) for n, m, r, members in classes]
         bases = {}
         for group in _by_rank(held):  # every class of one r at once
             q, views = _padded([held[c] for c in group])
@@ -278,16 +279,6 @@ def _orthogonalized_together(batches: list, epsilon: float) -> list:
         _orthogonalize_(padded, epsilon)
         result.update(zip(group, views))
     return [result[i] for i in range(len(batches))]
-
-
-def _stacked(flat: torch.Tensor, starts: list, shape: tuple) -> torch.Tensor:
-    """The matrices of ``shape`` starting at ``starts`` in the contiguous ``flat`` as one batch: a strided
-    view where they start at equal distances (no copy), else stacked into a new tensor."""
-    size = math.prod(shape)
-    step = starts[1] - starts[0] if len(starts) > 1 else size
-    if flat.is_contiguous() and step >= size and all(b - a == step for a, b in zip(starts, starts[1:])):
-        return flat.as_strided((len(starts), *shape), (step, shape[1], 1), flat.storage_offset() + starts[0])
-    return torch.stack([flat[s:s + size].view(shape) for s in starts])
 
 
 def _by_rank(batches: list) -> list:
