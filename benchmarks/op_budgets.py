@@ -33,28 +33,12 @@ import gradzip
 from gradzip.bench.kernels import BENCH_PARAMS
 from gradzip.harness.data import DatasetInfo
 from gradzip.harness.models import GPT
-from gradzip.testing import count_exchanges
+from gradzip.testing import count_exchanges, launching_ops as launching
 
 INFO = DatasetInfo("budget", (16,), 64, "language_model")
 DEPTHS = (2, 8)
 #: auto settles on Top-k at once: its own exchange, not its trials, is counted.
 PARAMS = {**BENCH_PARAMS, "auto": {"candidates": "topk:ratio=0.01", "warmup": 0, "trials": 1, "verify": 0}}
-
-
-#: Operations that launch no kernel: views and aliases (``OpOverload.is_view``), and bare allocations.
-_NO_KERNEL = {"aten.empty", "aten.empty_like", "aten.new_empty", "aten.empty_strided", "aten.detach",
-              "aten.lift_fresh", "aten.sym_size", "aten.sym_stride", "aten.sym_numel", "aten.sym_storage_offset"}
-
-
-def launching(by_op) -> int:
-    """The operations of ``by_op`` (name -> count) that would launch a kernel on a GPU."""
-    def launches(name: str) -> bool:
-        # A packet's tensor overloads are all views or none are (``slice``'s non-view ones take lists),
-        # and the counts are by packet: any view overload makes it a view.
-        packet = getattr(torch.ops.aten, name.split(".", 1)[1], None)
-        views = packet is not None and any(getattr(packet, o).is_view for o in packet.overloads())
-        return name not in _NO_KERNEL and not views
-    return sum(count for name, count in by_op.items() if launches(name))
 
 
 def count(method: str, depth: int, bucketed: bool, width: int = 32, info: DatasetInfo = INFO,

@@ -716,6 +716,25 @@ def _tensors_in(tree) -> list:
     return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
 
 
+#: Operations that launch no kernel: bare allocations and metadata (views and aliases are found by
+#: their overloads: ``OpOverload.is_view``).
+_NO_KERNEL = {"aten.empty", "aten.empty_like", "aten.new_empty", "aten.empty_strided", "aten.detach",
+              "aten.lift_fresh", "aten.sym_size", "aten.sym_stride", "aten.sym_numel", "aten.sym_storage_offset"}
+
+
+def launching_ops(by_op) -> int:
+    """Of ``by_op`` (``"aten.name"`` -> count, as :class:`OpCounter` counts them), the operations that would
+    launch a kernel on a GPU: not views, aliases, bare allocations or metadata.  A proxy: on a GPU some
+    operations launch several kernels (``topk``, ``cumsum``, ``sort``)."""
+    def launches(name: str) -> bool:
+        # A packet's tensor overloads are all views or none are (``slice``'s non-view ones take lists),
+        # and the counts are by packet: any view overload makes it a view.
+        packet = getattr(torch.ops.aten, name.split(".", 1)[1], None)
+        views = packet is not None and any(getattr(packet, o).is_view for o in packet.overloads())
+        return name not in _NO_KERNEL and not views
+    return sum(count for name, count in by_op.items() if launches(name))
+
+
 class ExchangeCount:
     """One counted ``state.exchange`` call: its ``tensors`` (gradients handed to it) and its counter."""
 

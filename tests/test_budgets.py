@@ -9,7 +9,11 @@ that runs ``state.exchange``: gradzip's communication thread):
   - tensors at depth 2): at most 2, at most 6 for PowerSGD and 1-bit SGD;
 - host reads per step (operations that wait for the device on CUDA: ``.item()``, ``nonzero``,
   ``tolist()``, ...): none for fixed-size methods; at most one per bucket for the methods whose payload
-  size depends on the data (threshold, dropping, adaptive_threshold may read one count per bucket).
+  size depends on the data (threshold, dropping, adaptive_threshold may read one count per bucket);
+- operations per bucket that would launch a kernel on a GPU (:func:`gradzip.testing.launching_ops`), at
+  depth 2: at most what each method dispatches today (``LAUNCHING``), so that a change that adds
+  launches to a bucket fails here, where no GPU is needed to see it (the GPU issue's target is DDP's
+  launches plus 40 per bucket; on a GPU an operation launches about 1.7 kernels).
 
 Methods still over budget are listed in ``OVER_BUDGET`` (measured today) and expected to fail, strictly:
 once a method meets its budgets its test fails until its entry is removed.
@@ -28,7 +32,7 @@ import gradzip
 from gradzip.bench.kernels import BENCH_PARAMS
 from gradzip.harness.data import DatasetInfo
 from gradzip.harness.models import GPT
-from gradzip.testing import OpCounter, count_exchanges
+from gradzip.testing import OpCounter, count_exchanges, launching_ops
 
 #: Methods over budget today (ops/tensor added per parameter tensor, host reads per step at depth 2 and 8).
 OVER_BUDGET: dict = {}
@@ -36,6 +40,11 @@ OVER_BUDGET: dict = {}
 #: Operations a method may add per parameter tensor; PowerSGD and 1-bit SGD get more.
 OPS_PER_TENSOR = 2
 OPS_PER_TENSOR_OF = {"powersgd": 6, "onebit": 6}
+#: Launching operations per bucket at depth 2 today, case by case (budgets: lower them as methods improve).
+LAUNCHING = {"none": 0, "fp16": 0, "bf16": 0, "topk": 41, "randomk": 44, "threshold": 28, "dropping": 63, "dgc": 127,
+             "csc": 36, "adaptive_threshold": 170, "qsgd": 64, "terngrad": 71, "natural": 49, "onebit": 109,
+             "signsgd": 35, "signum": 39, "efsignsgd": 37, "powersgd": 113, "auto": 41, "sparseloco": 296, "sketch": 298,
+             "fp16:feedback=residual": 19, "bf16:feedback=residual": 15}
 #: Methods whose payload size depends on the data: they may read one count per bucket.
 DATA_SIZED = {"threshold", "dropping", "adaptive_threshold", "dgc"}
 #: Methods whose buckets the DDP hook averages with its own plain allreduce: no exchange runs.
@@ -179,6 +188,30 @@ def test_budget(case, measured):
             problems.append(f"{step.host_reads} host reads/step at depth {step.depth} > {reads_limit} "
                             f"({_top(step.reads_by_op)})")
     assert not problems, f"{case}: " + "; ".join(problems)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_launching_operations_per_bucket(case, measured):
+    """The bucket's operations that would launch a GPU kernel stay within what the method dispatches
+    today (a method registered later gets its count here when it lands)."""
+    step = measured(case)[DEPTHS[0]]
+    launches = launching_ops(step.by_op) / BUCKETS
+    assert case in LAUNCHING, f"{case}: no launch budget in LAUNCHING (it dispatches {launches:g} a bucket)"
+    assert launches <= LAUNCHING[case], (f"{case}: {launches:g} launching operations a bucket > {LAUNCHING[case]} "
+                                         f"({_top(step.by_op)})")
+
+
+def test_launching_counts_skip_views_and_allocations():
+    """Views (``select.int``, ``slice.Tensor``, ``view``), aliases and bare allocations launch nothing;
+    arithmetic, copies and reductions do."""
+    x = torch.arange(12.0)
+    with OpCounter() as counter:
+        y = x.view(3, 4)[1]  # view, select
+        z = x[2:5]  # slice
+        torch.empty(3)
+        (y + 1).sum()  # add, sum
+        z.clone()  # clone
+    assert launching_ops(counter.ops) == 3, dict(counter.ops)
 
 
 def test_over_budget_names_known_cases():

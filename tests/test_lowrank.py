@@ -333,3 +333,30 @@ def test_invalid_parameters_are_rejected(params, name):
     with pytest.raises(ValueError, match=name) as err:
         gradzip.make("powersgd", **params)
     assert repr(next(iter(params.values()))) in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("shapes, min_compression", [
+    ([(8, 40), (10, 30), (8, 40), (8, 40), (40,)], 2.0),  # one shape's kept bases not equally spaced: stacked
+    ([(8, 40), (30, 6), (8, 40), (12, 20), (1, 7)], 0.0),  # ranks 2 and 1 (1 x 7 pays): a padded Gram-Schmidt each
+])
+def test_bucket_route_matches_per_tensor_route_over_warm_started_steps(shapes, min_compression):
+    """The bucket route's batched, zero-padded Gram-Schmidt and its kept bases (a strided view, or stacked
+    where a shape's matrices are not equally spaced) give each matrix what the per-tensor route gives it,
+    step after step from the same starting bases, up to the order of float sums."""
+    numels = [math.prod(s) for s in shapes]
+    states = [GradzipState("powersgd", bucketed=flag, dense_steps=0, rank=2, min_compression=min_compression)
+              for flag in (True, False)]
+    gen = torch.Generator().manual_seed(3)
+    for i, shape in enumerate(shapes):
+        if len(shape) == 2:
+            q = torch.randn(shape[1], min(2, *shape), generator=gen)  # (m, r)
+            for state in states:
+                state.tensors.setdefault(f"t{i}", {})["Q"] = q.clone()
+    for step in range(4):
+        flat = torch.randn(sum(numels), generator=torch.Generator().manual_seed(step))
+        named = [(f"t{i}", v.view(s)) for i, (v, s) in enumerate(zip(torch.split(flat, numels), shapes))]
+        expected = states[1].exchange([(k, g.clone()) for k, g in named])
+        states[0].exchange(named, out=[g for _, g in named])
+        assert states[0]._route.buckets, "the bucket route ran"
+        for (key, got), want in zip(named, expected):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5, msg=f"step {step}, {key}")

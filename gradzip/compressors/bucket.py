@@ -17,14 +17,14 @@ import itertools
 import math
 import operator
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from .. import kernels
 from .base import StagedContext, _stable_hash
 
-__all__ = ["BucketLayout", "BucketContext", "SizeClass", "stacked_at", "pack_signs", "unpack_signs", "signed_", "bits_of"]
+__all__ = ["BucketLayout", "BucketContext", "SizeClass", "strided_at", "pack_signs", "unpack_signs", "signed_", "bits_of"]
 
 #: Most elements one block of :meth:`BucketLayout.reduce`'s first level reduces: 64 KiB of float32, so a
 #: 25M-element tensor is about 1,500 blocks.
@@ -88,7 +88,11 @@ class BucketLayout:
         """The tensors ``members`` (of one size) as the rows of a (members, numel) tensor: a strided view of
         the contiguous ``flat`` where they start at equal distances (one tensor; the same layer's tensor
         in each block of a transformer), else stacked into a new one.  Read it, do not write it."""
-        return stacked_at(flat, [self.offsets[i] for i in members], (self.numels[members[0]],))
+        view = strided_at(flat, [self.offsets[i] for i in members], (self.numels[members[0]],))
+        if view is not None:
+            return view
+        parts = torch.split(flat, self.numels)  # one operation, where a slice per tensor would grow with them
+        return torch.stack([parts[i] for i in members])
 
     def segment_mean(self, values: torch.Tensor) -> torch.Tensor:
         """Per tensor, the float32 mean of its elements of the flat ``values`` (0 for an empty tensor)."""
@@ -223,16 +227,16 @@ class BucketContext(StagedContext):
         return kernels.counter_hashes(like, self.draw_seed(shared=shared, salt=salt))
 
 
-def stacked_at(flat: torch.Tensor, starts: Sequence[int], shape: tuple) -> torch.Tensor:
+def strided_at(flat: torch.Tensor, starts: Sequence[int], shape: tuple) -> Optional[torch.Tensor]:
     """The tensors of ``shape`` lying at ``starts`` in the 1-D ``flat``, as one (len(starts), *shape)
-    tensor: a strided view where they start at equal distances (no copy), else stacked into a new one.
-    Read it, do not write it."""
+    strided view where they start at equal distances (no copy; read it, do not write it); None where
+    they do not."""
     size = math.prod(shape)
     step = starts[1] - starts[0] if len(starts) > 1 else size
     if flat.stride(0) == 1 and step >= size and all(b - a == step for a, b in zip(starts, starts[1:])):
         strides = tuple(itertools.accumulate(reversed(shape[1:]), operator.mul, initial=1))[::-1]
         return flat.as_strided((len(starts), *shape), (step, *strides), flat.storage_offset() + starts[0])
-    return torch.stack([flat[s:s + size].view(shape) for s in starts])
+    return None
 
 
 def _segment_reduce(values: torch.Tensor, how: str, offsets: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ import torch
 
 from .. import devices, kernels
 from .base import AllReduce, Compressor, Exchanged, TensorContext
-from .bucket import stacked_at
+from .bucket import strided_at
 from .registry import register
 
 
@@ -238,7 +238,14 @@ class PowerSGD(Compressor):
             return _orthogonalized_together(fresh, self.epsilon)
         sizes = {i: m * r for n, m, r, members in classes for i in members}
         starts = dict(zip(sorted(sizes), itertools.accumulate([0] + [sizes[i] for i in sorted(sizes)])))  # key order
-        held = [stacked_at(kept, [starts[i] for i in members], (m, r)) for n, m, r, members in classes]
+        qs = None
+        held = []
+        for n, m, r, members in classes:
+            view = strided_at(kept, [starts[i] for i in members], (m, r))
+            if view is None:  # kept bases of one shape not equally spaced: stacked, from one split
+                qs = qs or dict(zip(sorted(sizes), torch.split(kept, [sizes[i] for i in sorted(sizes)])))
+                view = torch.stack([qs[i] for i in members]).view(-1, m, r)
+            held.append(view)
         bases = {}
         for group in _by_rank(held):  # every class of one r at once
             q, views = _padded([held[c] for c in group])
@@ -270,9 +277,10 @@ class PowerSGD(Compressor):
 
 def _orthogonalized_together(batches: list, epsilon: float) -> list:
     """:func:`orthogonalize` of each matrix of the batches (b_i x n_i x r_i), as new tensors: every batch of
-    one r in one Gram-Schmidt over their zero-padded stack (:func:`_padded`), whose operations do not grow
-    with the number of shapes.  Zero rows change no norm and no dot product, and stay zero: each matrix
-    gets its own result, up to the order of float sums."""
+    one r (the rank, or min(n, m) below it where ``min_compression`` < 2 lets such a matrix pay) in one
+    Gram-Schmidt over their zero-padded stack (:func:`_padded`), whose operations do not grow with the
+    number of shapes.  Zero rows change no norm and no dot product, and stay zero: each matrix gets its
+    own result, up to the order of float sums."""
     result = {}
     for group in _by_rank(batches):
         padded, views = _padded([batches[i] for i in group])
