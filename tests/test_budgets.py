@@ -43,7 +43,7 @@ OPS_PER_TENSOR_OF = {"powersgd": 6, "onebit": 6}
 #: Launching operations per bucket at depth 2 today, case by case (budgets: lower them as methods improve).
 LAUNCHING = {"none": 0, "fp16": 0, "bf16": 0, "topk": 41, "randomk": 44, "threshold": 28, "dropping": 63, "dgc": 127,
              "csc": 36, "adaptive_threshold": 170, "qsgd": 64, "terngrad": 71, "natural": 49, "onebit": 109,
-             "signsgd": 35, "signum": 39, "efsignsgd": 37, "powersgd": 113, "auto": 41, "sparseloco": 296, "sketch": 298,
+             "signsgd": 35, "signum": 39, "efsignsgd": 37, "powersgd": 113, "auto": 41, "sparseloco": 296, "sketch": 233,
              "fp16:feedback=residual": 19, "bf16:feedback=residual": 15}
 #: Methods whose payload size depends on the data: they may read one count per bucket.
 DATA_SIZED = {"threshold", "dropping", "adaptive_threshold", "dgc"}

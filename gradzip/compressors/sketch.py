@@ -1,6 +1,7 @@
 """Count sketches: a fixed-size linear summary of the gradient, summed by one allreduce."""
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from typing import Optional
@@ -186,20 +187,25 @@ class Sketch(Compressor):
             return slots.add_(base).add_(j * plan.sum_cols), signs
 
         sketch = torch.zeros(rows * plan.sum_cols, dtype=torch.float32, device=p.device)
+        # Each row's draws kept as one integer per element, 2 slot + (sign > 0), for the estimates after the
+        # allreduce (drawn once, not again); their memory then takes the estimates themselves.  int32
+        # unless a bucket holds 2^30 slots (a sketch of 4 GB).
+        wide = 2 * rows * plan.sum_cols >= 2**31
+        codes = torch.empty(rows, layout.numel, dtype=torch.int64 if wide else torch.int32, device=p.device)
         for j in range(rows):  # one row's draws alive at a time
             slots, signs = row(j)
+            codes[j].copy_(torch.add(signs.gt(0), slots, alpha=2))
             sketch.scatter_add_(0, slots, signs.mul_(kept))
             del slots, signs
-        del kept
+        del kept, position, cols, base, index
         dense_values = p.index_select(0, plan.dense_at) if plan.dense_at is not None else p.new_zeros(0)
         total = yield AllReduce(torch.cat([sketch, dense_values / world if world > 1 else dense_values]))
         summed = total[:sketch.numel()]
-        estimates = torch.empty(rows, layout.numel, dtype=torch.float32, device=p.device)
-        for j in range(rows):
-            slots, signs = row(j)
-            torch.take(summed, slots, out=estimates[j]).mul_(signs)
-            del slots, signs
-        del position, cols, base, index
+        estimates = codes.view(torch.float32)[:, :layout.numel]  # int64 codes: the first half of each row
+        for j in range(rows):  # s_j(i) T[j, h_j(i)], written over row j's codes
+            estimate = summed.index_select(0, codes[j] >> 1).mul_(_plus_minus_one(codes[j] & 1))
+            estimates[j].copy_(estimate)
+            del estimate
         magnitude = median_of_rows(estimates).abs_()
         chosen = [layout.rows(magnitude, size).topk(k, dim=1, sorted=False).indices.add_(size.starts.view(-1, 1))
                   for size, k in plan.classes]
@@ -229,6 +235,16 @@ class Sketch(Compressor):
             cols = math.ceil(self.width * k)
             total += self.rows * cols + k if k > 0 and self.rows * cols < n else n
         return total * 4
+
+
+def _plus_minus_one(bits: torch.Tensor) -> torch.Tensor:
+    """2 b - 1 as float32 for bits b in {0, 1}: one operation."""
+    return torch.add(_minus_one(bits.device), bits, alpha=2)
+
+
+@functools.lru_cache(maxsize=8)
+def _minus_one(device: torch.device) -> torch.Tensor:
+    return torch.tensor(-1.0, device=device)
 
 
 def _positions(parts: list, device: torch.device) -> torch.Tensor:
