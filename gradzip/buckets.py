@@ -91,8 +91,8 @@ class _Bucket:
         self.views: dict[str, list] = {}  # each key's view of it (None: no such state), as in GradzipState.tensors
         self.skipped = DeferredFlag()
         self.input_at: Optional[tuple] = None  # (first data_ptr, last data_ptr) where the input is one run
-        # NaN and 1 on the device, to poison or keep the output by: no scalar made into a tensor each step
-        self.nan_or_one = torch.tensor([float("nan"), 1.0], device=layout.device).unbind()
+        # NaN on the device, to poison the output with: no scalar made into a tensor each step
+        self.nan = torch.tensor(float("nan"), device=layout.device)
         # the input's flag where the aggregate's check stands for the input's (read, never written)
         self.unchecked = torch.zeros((), dtype=torch.bool, device=layout.device)
 
@@ -156,10 +156,15 @@ class _Bucket:
 
 
 def _nonfinite(x: torch.Tensor) -> torch.Tensor:
-    """A device bool: whether any element of ``x`` is NaN or Inf (its largest magnitude is not below
-    infinity: NaN propagates through the norm and compares False), in three operations where
-    ``isfinite`` would take five."""
-    return torch.linalg.vector_norm(x, float("inf")).lt(float("inf")).logical_not_()
+    """A device bool: whether any element of ``x`` is NaN or Inf, in three operations where ``isfinite``
+    would take five."""
+    return _finite(x).logical_not_()
+
+
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    """A device bool: whether every element of ``x`` is finite (its largest magnitude is below infinity:
+    NaN propagates through the norm and compares False)."""
+    return torch.linalg.vector_norm(x, float("inf")).lt(float("inf"))
 
 
 def _one_run(grads: Sequence[torch.Tensor], layout: BucketLayout) -> bool:
@@ -221,14 +226,14 @@ class BucketRoute:
             (result,), report = run_lockstep([_feedback.bucket_exchange(compressor, flat_g, b)], state.transport, local)
         aggregate = result.aggregate
         bad = report.nonfinite
+        # bad, or the aggregate not shown finite: for booleans "bad or not ok" is "ok <= bad", one operation
         if result.bound is not None:  # below half fp32's largest value, r rounded products stay finite
-            bad = bad | ~(result.bound < _FLOAT32_MAX / 2)  # NaN compares False: bad
+            bad = torch.le(result.bound < _FLOAT32_MAX / 2, bad)  # NaN compares False: bad
         elif aggregate.numel():
-            bad = bad | _nonfinite(aggregate)
+            bad = torch.le(_finite(aggregate), bad)
         report.nonfinite = bad  # a device bool: what a caller reading it (DiLoCo's outer step) must know
-        poison = torch.where(bad, *entry.nan_or_one)  # x * 1 == x for every x, NaN too
         entry.commit(b.updates, shapes, bad, state.tensors, spare=flat_g if in_place else None)  # before
-        outputs = _write(aggregate, poison, out, flat_g if in_place else None, layout)  # the input is overwritten
+        outputs = _write(aggregate, bad, entry.nan, out, flat_g if in_place else None, layout)  # the input is overwritten
         entry.skipped.set(bad)
         for key in keys:
             state.steps[key] = b.step + 1
@@ -245,13 +250,17 @@ def _state_shapes(compressor: Compressor, layout: BucketLayout, step: int) -> di
     return shapes
 
 
-def _write(aggregate, poison, out, flat_out, layout):
-    """aggregate * poison into ``out``: in one pass into ``flat_out`` where given (``out`` is the input's
-    own flat run, DDP's bucket), else piece by piece; or into fresh tensors shaped like the inputs."""
+def _write(aggregate, bad, nan, out, flat_out, layout):
+    """The aggregate, or NaN everywhere where ``bad`` (a device bool), into ``out``: in one pass into
+    ``flat_out`` where given (``out`` is the input's own flat run, DDP's bucket), else piece by piece; or
+    into fresh tensors shaped like the inputs."""
     if flat_out is not None:
-        torch.mul(aggregate, poison, out=flat_out)
+        if aggregate.dtype == flat_out.dtype:
+            torch.where(bad, nan, aggregate, out=flat_out)
+        else:  # where's out takes only its result's dtype (a half sum into a float32 bucket: a copy more)
+            flat_out.copy_(torch.where(bad, nan, aggregate))
         return list(out)
-    result = torch.mul(aggregate, poison).to(layout.dtype)
+    result = torch.where(bad, nan, aggregate).to(layout.dtype)
     pieces = layout.pieces(result)
     if out is None:
         return pieces
