@@ -1413,7 +1413,7 @@ class AdaptiveThreshold(Compressor):
             (largest, at_largest), (smallest, at_smallest) = r.topk(peak, dim=1), r.topk(peak, dim=1, largest=False)
             kept = torch.arange(peak, device=p.device) < k.view(-1, 1)
             sums = torch.where(kept, torch.cat([largest, smallest]), plan.zero).sum(dim=1)
-            means.index_copy_(0, both, sums.div_(k.clamp_(min=1)))
+            means.index_copy_(0, both, sums.div_(k.clamp_(min=1)))  # k is float64: the quotient rounded once
             marks.index_put_((torch.cat([at_largest, at_smallest]).add_(starts).view(-1),), kept.view(-1))
         return means, marks.view(2, -1)
 
