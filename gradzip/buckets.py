@@ -91,8 +91,8 @@ class _Bucket:
         self.views: dict[str, list] = {}  # each key's view of it (None: no such state), as in GradzipState.tensors
         self.skipped = DeferredFlag()
         self.input_at: Optional[tuple] = None  # (first data_ptr, last data_ptr) where the input is one run
-        # NaN on the device, to poison the output with: no scalar made into a tensor each step
-        self.nan = torch.tensor(float("nan"), device=layout.device)
+        # NaN and 1 on the device, to poison or keep the output with: no scalar made into a tensor each step
+        self.nan, self.one = torch.tensor([float("nan"), 1.0], device=layout.device).unbind()
         # the input's flag where the aggregate's check stands for the input's (read, never written)
         self.unchecked = torch.zeros((), dtype=torch.bool, device=layout.device)
 
@@ -233,7 +233,7 @@ class BucketRoute:
             bad = torch.le(_finite(aggregate), bad)
         report.nonfinite = bad  # a device bool: what a caller reading it (DiLoCo's outer step) must know
         entry.commit(b.updates, shapes, bad, state.tensors, spare=flat_g if in_place else None)  # before
-        outputs = _write(aggregate, bad, entry.nan, out, flat_g if in_place else None, layout)  # the input is overwritten
+        outputs = _write(aggregate, bad, entry, out, flat_g if in_place else None, layout)  # the input is overwritten
         entry.skipped.set(bad)
         for key in keys:
             state.steps[key] = b.step + 1
@@ -250,17 +250,17 @@ def _state_shapes(compressor: Compressor, layout: BucketLayout, step: int) -> di
     return shapes
 
 
-def _write(aggregate, bad, nan, out, flat_out, layout):
+def _write(aggregate, bad, entry, out, flat_out, layout):
     """The aggregate, or NaN everywhere where ``bad`` (a device bool), into ``out``: in one pass into
     ``flat_out`` where given (``out`` is the input's own flat run, DDP's bucket), else piece by piece; or
     into fresh tensors shaped like the inputs."""
     if flat_out is not None:
         if aggregate.dtype == flat_out.dtype:
-            torch.where(bad, nan, aggregate, out=flat_out)
-        else:  # where's out takes only its result's dtype (a half sum into a float32 bucket: a copy more)
-            flat_out.copy_(torch.where(bad, nan, aggregate))
+            torch.where(bad, entry.nan, aggregate, out=flat_out)
+        else:  # where's out takes only its result's dtype: a half sum times NaN or 1 into a float32 bucket
+            torch.mul(aggregate, torch.where(bad, entry.nan, entry.one), out=flat_out)  # x * 1 == x, NaN too
         return list(out)
-    result = torch.where(bad, nan, aggregate).to(layout.dtype)
+    result = torch.where(bad, entry.nan, aggregate).to(layout.dtype)
     pieces = layout.pieces(result)
     if out is None:
         return pieces
