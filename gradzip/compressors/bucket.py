@@ -17,7 +17,7 @@ import itertools
 import math
 import operator
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 
@@ -118,6 +118,15 @@ class BucketLayout:
         if total is not None:
             first = first.to(total)
         return _segment_reduce(first, how, self._piece_offsets)
+
+    def reduce_each(self, values: Iterable, how: str = "sum", total: torch.dtype = None) -> torch.Tensor:
+        """:meth:`reduce` of each flat tensor the iterable ``values`` yields, as rows (one per tensor
+        yielded, a column per tensor of the bucket): each one's pieces reduced as it comes (one
+        bucket-sized value alive at a time), every one's second level at once."""
+        first = torch.stack([self.chunk_reduce(v, how, PIECE) for v in values], dim=1)
+        if total is not None:
+            first = first.to(total)
+        return _segment_reduce(first, how, self._piece_offsets).T
 
     def chunk_reduce(self, values: torch.Tensor, how: str, size: int) -> torch.Tensor:
         """Per chunk (:meth:`chunk_lengths`), the ``how`` ("sum" or "max", at least 0) of the flat

@@ -1088,9 +1088,8 @@ def _counts_at_least(absp: torch.Tensor, thresholds: torch.Tensor, plan: _DGCPla
     it: row by row (R + 1 of them: a bucket's worth of memory at a time, not R + 1), each row spread
     over the elements by ``index`` (:meth:`BucketLayout.segment_index`), compared in place (1.0 where
     the threshold is at most |p|: no bool and no float copy of it), and counted by a segmented sum
-    (exact: float32 within a piece, float64 over a tensor's pieces)."""
-    return torch.stack([plan.layout.reduce(row.index_select(0, index).le_(absp), total=torch.float64)
-                        for row in thresholds])
+    (exact: float32 within a piece, float64 over a tensor's pieces, all rows' at once)."""
+    return plan.layout.reduce_each((row.index_select(0, index).le_(absp) for row in thresholds), total=torch.float64)
 
 
 def _class_top_k(absp: torch.Tensor, layout, plan: _DGCPlan) -> torch.Tensor:
