@@ -1257,11 +1257,11 @@ def _chunk_plan(layout, c: int, ratio: float) -> _ChunkPlan:
 
 def _signed_counts(p: torch.Tensor, layout) -> torch.Tensor:
     """Per tensor of the bucket, |{p_i > 0}| and |{p_i < 0}| (2, tensors), float64: each comparison
-    written as 1.0 / 0.0 into one float32 buffer and summed by :meth:`BucketLayout.reduce` (exact: float32
-    within a piece, float64 over a tensor's pieces)."""
+    written as 1.0 / 0.0 into one float32 buffer (the second once the first is summed by pieces) and
+    summed by :meth:`BucketLayout.reduce_each` (exact: float32 within a piece, float64 over a tensor's
+    pieces)."""
     marked = torch.empty_like(p, dtype=torch.float32)
-    return torch.stack([layout.reduce(compare(p, 0, out=marked), "sum", total=torch.float64)
-                        for compare in (torch.gt, torch.lt)])
+    return layout.reduce_each((compare(p, 0, out=marked) for compare in (torch.gt, torch.lt)), total=torch.float64)
 
 
 class _AdaptivePlan:
@@ -1375,7 +1375,8 @@ class AdaptiveThreshold(Compressor):
         (dropped by the receivers), which decode to the mean of the tensor they lie in."""
         layout, n = b.layout, b.layout.numel
         plan = _adaptive_plan(layout)
-        ks = torch.ceil(_signed_counts(p, layout).mul_(self.ratio))  # (2, tensors): k+ and k-, exact in float64
+        ks = torch.ceil(_signed_counts(p, layout).mul_(self.ratio),  # (2, tensors): k+ and k-, exact in float64
+                        out=torch.empty(2, len(layout), dtype=torch.float64, device=p.device))  # contiguous rows
         own = ks.sum(dim=1)
         most = yield AllReduce(own, op="max")
         peaks = torch.segment_reduce(ks.T.index_select(0, plan.class_order), "max", offsets=plan.class_offsets,
