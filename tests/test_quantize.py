@@ -413,14 +413,14 @@ def test_bucket_decoding_looks_up_what_unpacking_gives(bits, n):
     """The bucket route's decoding by byte table (QSGD's sign * xi, TernGrad's t) equals unpacking each
     code and converting it, bit for bit (-0.0 for a negative zero level), the last byte's spare codes
     cut off."""
-    from gradzip.compressors.quantize import (_bytes_looked_up, _pack_codes, _signed_level_bytes, _ternary_bytes,
-                                              _unpack_codes)
+    from gradzip.bits import lookup_codes
+    from gradzip.compressors.quantize import _pack_codes, _signed_level_bytes, _ternary_bytes, _unpack_codes
 
     codes = torch.randint(0, 2**bits, (n,), generator=torch.Generator().manual_seed(bits), dtype=torch.int32)
     packed = _pack_codes(codes, bits)
     unpacked = _unpack_codes(packed, bits, n)
     want = (unpacked >> 1).float().mul_((unpacked & 1).float().mul_(-2).add_(1))
-    got = _bytes_looked_up(packed, _signed_level_bytes(bits, packed.device), n)
+    got = lookup_codes(packed, _signed_level_bytes(bits, packed.device), n)
     assert got.shape == (n,) and torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())
     if bits == 2:
-        assert torch.equal(_bytes_looked_up(packed, _ternary_bytes(packed.device), n), unpacked.float().sub_(1))
+        assert torch.equal(lookup_codes(packed, _ternary_bytes(packed.device), n), unpacked.float().sub_(1))

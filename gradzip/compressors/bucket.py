@@ -24,7 +24,8 @@ import torch
 from .. import kernels
 from .base import StagedContext, _stable_hash
 
-__all__ = ["BucketLayout", "BucketContext", "SizeClass", "strided_at", "pack_signs", "unpack_signs", "signed_", "bits_of"]
+__all__ = ["BucketLayout", "BucketContext", "SizeClass", "strided_at", "pack_signs", "unpack_signs", "signed_", "bits_of",
+           "plus_minus_one"]
 
 #: Most elements one block of :meth:`BucketLayout.reduce`'s first level reduces: 64 KiB of float32, so a
 #: 25M-element tensor is about 1,500 blocks.
@@ -269,15 +270,15 @@ def pack_signs(x: torch.Tensor) -> torch.Tensor:
 def signed_(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """``x * unpack_signs(packed, x.numel())`` into the flat float ``x`` (returned), the +-1 as int8:
     a quarter of a float32 temporary.  Exact, -0.0 included, as the product with float +-1."""
-    return x.mul_(_two_b_minus_one(bits_of(packed, x.numel()).view(torch.int8)))
+    return x.mul_(plus_minus_one(bits_of(packed, x.numel()).view(torch.int8)))
 
 
 def unpack_signs(packed: torch.Tensor, n: int) -> torch.Tensor:
     """Inverse of :func:`pack_signs`: n float32 values +1.0 (bit 1) or -1.0 (bit 0)."""
-    return _two_b_minus_one(bits_of(packed, n), torch.float32)
+    return plus_minus_one(bits_of(packed, n), torch.float32)
 
 
-def _two_b_minus_one(bits: torch.Tensor, dtype: torch.dtype = None) -> torch.Tensor:
+def plus_minus_one(bits: torch.Tensor, dtype: torch.dtype = None) -> torch.Tensor:
     """2 b - 1 for bits b in {0, 1}, exact, in ``dtype`` (default: the bits'), one operation: -1 + 2 b."""
     return torch.add(_minus_one(bits.device, dtype or bits.dtype), bits, alpha=2)
 

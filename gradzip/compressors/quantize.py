@@ -127,13 +127,6 @@ def _pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return (padded.view(-1, per) << _code_shifts(bits, device)).sum(dim=1, dtype=torch.uint8)
 
 
-def _bytes_looked_up(packed: torch.Tensor, table: torch.Tensor, n: int) -> torch.Tensor:
-    """The values (a :func:`gradzip.bits.byte_table`) of the first n codes packed in ``packed``, as a new
-    flat tensor: one gather of a row per byte (two operations where unpacking and converting each code
-    take five or more).  The last byte's unused codes are gathered too, then cut off."""
-    return table.index_select(0, packed.int()).view(-1)[:n]
-
-
 def _unpack_codes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """Inverse of :func:`_pack_codes`: the first n codes (uint8 where 8 % bits == 0, else int32)."""
     device = packed.device
@@ -430,7 +423,7 @@ class QSGD(GatheredCompressor):
         layout's chunk index, if made already)."""
         norms, packed = fields
         if 8 % self._bits == 0:  # whole codes in each byte: the bytes' sign * xi looked up, 2 operations
-            value = _bytes_looked_up(packed, _signed_level_bytes(self._bits, packed.device), layout.numel)
+            value = lookup_codes(packed, _signed_level_bytes(self._bits, packed.device), layout.numel)
         else:
             codes = _unpack_codes(packed, self._bits, layout.numel)
             value = (codes >> 1).float().mul_((codes & 1).float().mul_(-2).add_(1))  # 0 with the sign bit: -0.0
@@ -613,12 +606,12 @@ class TernGrad(Compressor):
         total = None
         table = _ternary_bytes(p.device)
         for (got,) in gathered:  # trits in {-1, 0, 1}: exact sums
-            t = _bytes_looked_up(got, table, n)
+            t = lookup_codes(got, table, n)
             total = t if total is None else total.add_(t)
         scale = layout.per_element(s)
         # N trits summed, times s: |sum| <= N max_i s_i, and the mean is at most that
         return Exchanged(total.mul_(scale).div_(b.world_size),
-                         lambda: _bytes_looked_up(packed, table, n).mul_(scale),
+                         lambda: lookup_codes(packed, table, n).mul_(scale),
                          bound=s.abs().amax() * b.world_size)
 
     def bucket_payload_bytes(self, layout):

@@ -1,7 +1,6 @@
 """Count sketches: a fixed-size linear summary of the gradient, summed by one allreduce."""
 from __future__ import annotations
 
-import functools
 import math
 import weakref
 from typing import Optional
@@ -10,6 +9,7 @@ import torch
 
 from .. import kernels
 from .base import AllReduce, Compressor, Exchanged, TensorContext, _stable_hash, check_ratio, workspace, zeroed
+from .bucket import plus_minus_one
 from .registry import register
 from .sparse import top_k
 
@@ -203,7 +203,7 @@ class Sketch(Compressor):
         summed = total[:sketch.numel()]
         estimates = codes.view(torch.float32)[:, :layout.numel]  # int64 codes: the first half of each row
         for j in range(rows):  # s_j(i) T[j, h_j(i)], written over row j's codes
-            estimate = summed.index_select(0, codes[j] >> 1).mul_(_plus_minus_one(codes[j] & 1))
+            estimate = summed.index_select(0, codes[j] >> 1).mul_(plus_minus_one(codes[j] & 1, torch.float32))
             estimates[j].copy_(estimate)
             del estimate
         magnitude = median_of_rows(estimates).abs_()
@@ -235,16 +235,6 @@ class Sketch(Compressor):
             cols = math.ceil(self.width * k)
             total += self.rows * cols + k if k > 0 and self.rows * cols < n else n
         return total * 4
-
-
-def _plus_minus_one(bits: torch.Tensor) -> torch.Tensor:
-    """2 b - 1 as float32 for bits b in {0, 1}: one operation."""
-    return torch.add(_minus_one(bits.device), bits, alpha=2)
-
-
-@functools.lru_cache(maxsize=8)
-def _minus_one(device: torch.device) -> torch.Tensor:
-    return torch.tensor(-1.0, device=device)
 
 
 def _positions(parts: list, device: torch.device) -> torch.Tensor:

@@ -284,19 +284,6 @@ def strided_sample(a: torch.Tensor, sample_ratio: float, ctx: TensorContext) -> 
     return a[start::stride]
 
 
-#: Each bucket layout's size classes' members as device tensors (see :func:`class_members`).
-_MEMBERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def class_members(layout, size) -> torch.Tensor:
-    """A size class's members (positions in the bucket's list of tensors) as an int64 device tensor,
-    built once per layout, for writing per-tensor values found size class by size class."""
-    cached = _MEMBERS.setdefault(layout, {})
-    if size.numel not in cached:
-        cached[size.numel] = torch.tensor(size.members, dtype=torch.int64, device=layout.device)
-    return cached[size.numel]
-
-
 def _kth_largest(a: torch.Tensor, k: int) -> torch.Tensor:
     return torch.topk(a, k, sorted=False).values.min()
 
