@@ -11,6 +11,11 @@ bit for bit (random draws come in as tensors, from the same private generators).
   serves every size).  So a kernel runs only on tensors large enough that its saving repays that within
   a few hundred steps: ``min_numel`` elements (:data:`MIN_NUMEL`, or :data:`LARGE_NUMEL` for kernels
   that save little per element, such as sign packing); smaller tensors keep the reference path.
+- The bucket route cannot wait seconds in a user's step, so it takes its kernels *ahead of time*
+  (:meth:`Kernel.ahead`): the first call for a bucket's shapes queues a compile on a background thread
+  and takes the reference path; once compiled, calls run the kernel.  These kernels are compiled with
+  eager numerics (no contracted multiply-adds, division and denormals as eager), so a kernel and the
+  reference path agree bit for bit and it does not matter at which step each rank switches.
 - ``GRADZIP_FUSED=0`` in the environment forces the reference path.
 - If compiling or running a kernel fails (no C++ compiler, an Inductor error), gradzip warns once with
   the cause and uses the reference path for the rest of the process.
@@ -19,8 +24,10 @@ This module sits beside :mod:`gradzip.bits`: it imports only torch.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+import queue
 import sys
 import threading
 import types
@@ -28,8 +35,10 @@ import warnings
 from typing import Callable, Optional
 
 import torch
+from torch.utils import _python_dispatch
 
 __all__ = ["MIN_NUMEL", "LARGE_NUMEL", "UNROLL_RANKS", "KERNELS", "Kernel", "fused", "enabled", "enabled_over_ranks",
+           "settle",
            "pack_codes", "unpack_codes", "pack_bytes",
            "repeat_each", "counter_uniforms", "counter_hashes", "lowbias32_", "uniforms_from"]
 
@@ -134,6 +143,7 @@ class Kernel:
         self.min_numel = min_numel
         self.__name__ = getattr(fn, "__name__", "kernel")
         self._compiled: dict = {}
+        self._ahead: dict = {}  # signature -> compiled function, or _PENDING while queued
         KERNELS.append(self)
 
     def __call__(self, *args, **static):
@@ -160,13 +170,118 @@ class Kernel:
             return None
 
 
-def _specialise(fn: Callable, static: dict) -> Callable:
+    def wanted(self, numel: int) -> bool:
+        """Whether :meth:`ahead` would take (or queue) the kernel for a largest argument of ``numel``
+        elements: at least ``min_numel``, kernels neither failed nor switched off."""
+        return numel >= self.min_numel and _failure is None and os.environ.get("GRADZIP_FUSED", "1") != "0"
+
+    def ahead(self, *args, **static):
+        """The kernel's result where it has been compiled for exactly these arguments (each tensor's
+        shape, strides, dtype and device; the other arguments' values); else None, the caller taking its
+        reference path, and the kernel is queued for compiling on a background thread (on zero tensors
+        of those shapes), so that a later call finds it.  No compile lands in the caller's step, and
+        each shape has a compile of its own: none is ever repeated in the caller's step on a guard that
+        a dynamic compile would have failed.  None too under ``min_numel`` and once kernels failed."""
+        if not self.wanted(max(a.numel() for a in args if isinstance(a, torch.Tensor))):
+            return None
+        modes = _python_dispatch._get_current_dispatch_mode_stack()
+        if not all(getattr(mode, "sees_fused_kernels", False) for mode in modes):
+            return None  # a dispatch mode of the caller's would see none of the kernel's work: its reference path
+        key = (tuple(sorted(static.items())), tuple(_signature(a) for a in args))
+        with _AHEAD_LOCK:
+            compiled = self._ahead.get(key)
+            if compiled is None:
+                self._ahead[key] = _PENDING
+                _ahead_queue().put((self, key, static))
+        if compiled is None or compiled is _PENDING:
+            return None
+        try:
+            if not modes:
+                return compiled(*args)
+            with _python_dispatch._disable_current_modes():  # a compiled graph does not run under a mode
+                result = compiled(*args)
+        except Exception as exc:  # noqa: BLE001 - as in run: the reference path from now on
+            _disable(exc)
+            return None
+        for mode in modes:  # a counter that knows kernels (gradzip.testing's) is told of this one
+            mode.saw_fused_kernel(self.__name__, result)
+        return result
+
+    def _compile_ahead(self, key, static) -> None:
+        """Compile for ``key`` (on the background thread) by a first call on zero tensors of its shapes."""
+        fn = torch.compile(_specialise(self.fn, static, f"ahead{len(self._ahead)}"), fullgraph=True, dynamic=False,
+                           options=_eager_numerics())
+        zeros = [torch.empty_strided(*sig[:2], dtype=sig[2], device=sig[3]).zero_() if sig[0] != "value" else sig[1]
+                 for sig in key[1]]
+        with torch.no_grad():  # as the exchanges call it: grad mode is among what a compile guards on
+            fn(*zeros)
+        with _AHEAD_LOCK:
+            self._ahead[key] = fn
+
+
+_PENDING = object()
+_AHEAD_LOCK = threading.Lock()
+_AHEAD: list = []  # the queue and its thread, made on first use
+
+
+def _signature(arg) -> tuple:
+    if isinstance(arg, torch.Tensor):
+        return (tuple(arg.shape), arg.stride(), arg.dtype, arg.device)
+    return ("value", arg)
+
+
+def _ahead_queue() -> queue.Queue:
+    if not _AHEAD:
+        jobs: queue.Queue = queue.Queue()
+        threading.Thread(target=_compile_jobs, args=(jobs,), name="gradzip-compile", daemon=True).start()
+        _AHEAD.append(jobs)
+    return _AHEAD[0]
+
+
+def _compile_jobs(jobs: queue.Queue) -> None:
+    while True:
+        kernel, key, static = jobs.get()
+        try:
+            if _failure is None and not _EXITING.is_set():
+                kernel._compile_ahead(key, static)
+        except Exception as exc:  # noqa: BLE001 - any compiler failure: the reference path for good
+            _disable(exc)
+        finally:
+            jobs.task_done()
+
+
+_EXITING = threading.Event()
+atexit.register(_EXITING.set)  # a compile queued at exit is not started: the process is not kept waiting
+
+
+def settle() -> None:
+    """Wait until every compile queued by :meth:`Kernel.ahead` has finished (tests; benchmarks, before
+    their timed steps)."""
+    if _AHEAD:
+        _AHEAD[0].join()
+
+
+def _eager_numerics() -> dict:
+    """Inductor options under which a kernel rounds as eager PyTorch does: multiply-adds not contracted,
+    division correctly rounded, denormals kept, PyTorch's libdevice; those this torch knows."""
+    from torch._inductor import config
+    wanted = {"emulate_precision_casts": True, "eager_numerics.division_rounding": True,
+              "eager_numerics.disable_ftz": True, "eager_numerics.use_pytorch_libdevice": True}
+    known = {}
+    for name, value in wanted.items():
+        owner, *rest = name.split(".")
+        if hasattr(config, owner) and (not rest or hasattr(getattr(config, owner), rest[0])):
+            known[name] = value
+    return known
+
+
+def _specialise(fn: Callable, static: dict, tag: str = "") -> Callable:
     """``fn`` with ``static`` bound (read from a closure, so compiled in as constants), under a code
     object of its own: torch.compile keeps its caches and recompile limit per code object."""
     def specialised(*args):
         return fn(*args, **static)
 
-    suffix = "_".join(f"{k}{v}" for k, v in sorted(static.items()))
+    suffix = "_".join([f"{k}{v}" for k, v in sorted(static.items())] + ([tag] if tag else []))
     code = specialised.__code__.replace(co_name=f"{getattr(fn, '__name__', 'kernel')}_{suffix}")
     return types.FunctionType(code, specialised.__globals__, code.co_name, None, specialised.__closure__)
 

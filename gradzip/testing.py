@@ -623,9 +623,14 @@ class OpCounter(TorchDispatchMode):
     Only the operations that reach the dispatcher from Python are seen: views and ``detach`` count,
     the operations a kernel calls inside itself do not (a profiler counts those too).
 
+    A fused kernel that the bucket route runs (:meth:`gradzip.kernels.Kernel.ahead`) counts as one
+    operation, ``"fused:<kernel>"``.
+
     Dispatch modes are thread-local: ops on other threads (autograd's, a communication thread) are not
     counted; :func:`count_exchanges` enters a counter on whichever thread runs ``state.exchange``.
     """
+
+    sees_fused_kernels = True
 
     def __init__(self):
         super().__init__()
@@ -641,6 +646,9 @@ class OpCounter(TorchDispatchMode):
     def reads(self) -> int:
         """Host reads counted."""
         return sum(self.host_reads.values())
+
+    def saw_fused_kernel(self, name: str, result) -> None:
+        self.ops[f"fused:{name}"] += 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -675,8 +683,12 @@ class MemoryCounter(TorchDispatchMode):
     """Bytes of the storages that operations dispatched inside the block (on the thread that enters it)
     allocate, while a tensor on them lives: ``peak`` is the most alive at once, ``live`` what is alive
     now.  Storages that existed before (an operation's inputs, in-place results) do not count.  Exact, not
-    sampled: what the same code would ask a GPU's caching allocator for, before its rounding.
+    sampled: what the same code would ask a GPU's caching allocator for, before its rounding.  A fused
+    kernel of the bucket route (:meth:`gradzip.kernels.Kernel.ahead`) counts its result's storage (the
+    buffers it allocates inside itself are not seen).
     """
+
+    sees_fused_kernels = True
 
     def __init__(self):
         super().__init__()
@@ -693,10 +705,18 @@ class MemoryCounter(TorchDispatchMode):
                 del self._tensors[address]
                 self.live -= self._sizes.pop(address)
 
+    def saw_fused_kernel(self, name: str, result) -> None:
+        self._allocated(result, set())
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         inputs = {t.untyped_storage().data_ptr() for t in _tensors_in((args, kwargs))}
         out = func(*args, **kwargs)
+        self._allocated(out, inputs)
+        return out
+
+    def _allocated(self, out, inputs: set) -> None:
+        """Count the storages of ``out``'s tensors that are new (not among ``inputs``) while they live."""
         for t in _tensors_in(out):
             storage = t.untyped_storage()
             address, nbytes = storage.data_ptr(), storage.nbytes()
@@ -709,7 +729,6 @@ class MemoryCounter(TorchDispatchMode):
                     self.peak = max(self.peak, self.live)
                 self._tensors[address] += 1
             weakref.finalize(t, self._release, address)
-        return out
 
 
 def _tensors_in(tree) -> list:
@@ -729,9 +748,9 @@ def launching_ops(by_op) -> int:
     def launches(name: str) -> bool:
         # A packet's tensor overloads are all views or none are (``slice``'s non-view ones take lists),
         # and the counts are by packet: any view overload makes it a view.
-        packet = getattr(torch.ops.aten, name.split(".", 1)[1], None)
+        packet = None if name.startswith("fused:") else getattr(torch.ops.aten, name.split(".", 1)[1], None)
         views = packet is not None and any(getattr(packet, o).is_view for o in packet.overloads())
-        return name not in _NO_KERNEL and not views
+        return name.startswith("fused:") or (name not in _NO_KERNEL and not views)
     return sum(count for name, count in by_op.items() if launches(name))
 
 

@@ -230,6 +230,11 @@ class BucketContext(StagedContext):
         like = torch.empty((), device=self.layout.device).expand(n)  # only its length is read: no n-element buffer
         return kernels.counter_uniforms(like, self.draw_seed(shared=shared, salt=salt))
 
+    def kernel_seed(self, *, shared: bool = True, salt: str = "") -> torch.Tensor:
+        """:meth:`draw_seed` as a 0-d int32 tensor on the bucket's device, for a kernel's draws (a fill,
+        not a copy from the host; a number would be compiled into the kernel)."""
+        return torch.full((), self.draw_seed(shared=shared, salt=salt), dtype=torch.int32, device=self.layout.device)
+
     def hashes(self, n: int, *, shared: bool = True, salt: str = "") -> torch.Tensor:
         """n distinct int32 keys, uniformly ordered, on the bucket's device: :meth:`uniforms` before its
         conversion to floats (four operations less, and no ties)."""

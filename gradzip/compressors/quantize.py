@@ -195,6 +195,16 @@ def _qsgd_encode(flat, scale, draws, *, s: int, bs: int, bits: int):
 
 
 @kernels.fused
+def _qsgd_bucket_encode(p, scale, index, seed, *, s: int, bits: int):
+    """QSGD's packed codes of a whole bucket in one loop (:meth:`QSGD.bucket_exchange`): each element's
+    chunk scale gathered by ``index``, its uniform drawn from ``seed`` by counter."""
+    ratio = p.abs() * scale.index_select(0, index)
+    u = kernels.counter_uniforms(p, seed)
+    xi = torch.floor(ratio) + (u < torch.frac(ratio)).to(ratio.dtype)
+    return kernels.pack_codes(xi.to(torch.int32).clamp(0, s) * 2 + (p < 0).to(torch.int32), bits)
+
+
+@kernels.fused
 def _qsgd_code_bytes(flat, scale, draws, out, *, s: int, bs: int):
     """QSGD's codes a byte each into ``out``, for :func:`kernels.pack_bytes` (CPUs)."""
     return out.copy_(_qsgd_codes(flat, scale, draws, s, bs).to(torch.uint8))
@@ -395,18 +405,22 @@ class QSGD(GatheredCompressor):
         of ceil(log2(s+1)) + 1 bits (as :meth:`compress`'s) packed together:
         4 * chunks + ceil(n * bits / 8) bytes."""
         layout, s, n = b.layout, self.levels, b.layout.numel
-        ratio = p.abs()
         if self.norm == "l2":
-            norms = layout.chunk_reduce(ratio.square(), "sum", self.bucket_size).sqrt_()
+            norms = layout.chunk_reduce(p.square(), "sum", self.bucket_size).sqrt_()
         else:
-            norms = layout.chunk_reduce(ratio, "max", self.bucket_size)
+            norms = layout.chunk_reduce(p.abs(), "max", self.bucket_size)
         scale = torch.where(norms > 0, s / norms, 0.0)  # s / ||v|| per chunk
-        ratio.mul_(layout.per_chunk(scale, self.bucket_size))  # |v_i| s / ||v||, in [0, s]
-        up = b.uniforms(n, shared=False, salt="qsgd") < torch.frac(ratio)
-        # Integer clamp: float rounding may push the ratio a hair above s (and NaN becomes 0 here).
-        codes = ratio.floor_().add_(up).to(torch.int32).clamp_(0, s).mul_(2).add_(p < 0)
-        packed = _pack_codes(codes, self._bits)
-        del ratio, up, codes  # bucket-sized: not to be held across the allgather and the decoding
+        packed = None
+        if 8 % self._bits == 0 and _qsgd_bucket_encode.wanted(n):
+            packed = _qsgd_bucket_encode.ahead(p, scale, layout.chunk_index(self.bucket_size),
+                                               b.kernel_seed(shared=False, salt="qsgd"), s=s, bits=self._bits)
+        if packed is None:  # the kernel's reference path, one operation at a time
+            ratio = p.abs().mul_(layout.per_chunk(scale, self.bucket_size))  # |v_i| s / ||v||, in [0, s]
+            up = b.uniforms(n, shared=False, salt="qsgd") < torch.frac(ratio)
+            # Integer clamp: float rounding may push the ratio a hair above s (and NaN becomes 0 here).
+            codes = ratio.floor_().add_(up).to(torch.int32).clamp_(0, s).mul_(2).add_(p < 0)
+            packed = _pack_codes(codes, self._bits)
+            del ratio, up, codes  # bucket-sized: not to be held across the allgather and the decoding
         gathered = yield AllGather((norms, packed))
         total, index = None, layout.chunk_index(self.bucket_size)  # one index spreads every rank's norms
         for fields in gathered:  # rank order: the same floats on every rank
@@ -446,6 +460,15 @@ def _terngrad_codes(g, bound, s, draws):
 def _terngrad_encode(g, bound, s, draws):
     """TernGrad's packed codes in one loop (GPUs; see :func:`gradzip.devices.packs_from_bytes`)."""
     return kernels.pack_codes(_terngrad_codes(g, bound, s, draws), 2)
+
+
+@kernels.fused
+def _terngrad_bucket_encode(g, s, index, seed):
+    """TernGrad's packed codes t + 1 of a whole bucket's clipped ``g`` in one loop
+    (:meth:`TernGrad.bucket_exchange`): each element's scaler gathered by ``index``, its uniform drawn
+    from ``seed`` by counter."""
+    up = kernels.counter_uniforms(g, seed) < g.abs() / s.index_select(0, index)
+    return kernels.pack_codes(((g > 0) & up).to(torch.int32) * 2 + 1 - up.to(torch.int32), 2)
 
 
 @kernels.fused
@@ -592,16 +615,21 @@ class TernGrad(Compressor):
         # s == 0 means g == 0 in that tensor: the clamp turns 0/0 into probability 0 instead of NaN (and
         # the trits there are 0, so the aggregate, t * tiny, is still 0).
         s = s.clamp_min(torch.finfo(torch.float32).tiny)
-        positive = g > 0
-        # |g| / s in g's memory where g is this exchange's own (the clip's), and the spread s freed
-        # before the draws: bucket-sized temporaries one at a time, not four at once.
-        ratio = (g.abs_() if g is not p else g.abs()).div_(layout.per_element(s))
-        up = b.uniforms(n, shared=False, salt="terngrad") < ratio
-        del g, ratio
-        # t + 1 = 1 - up + 2 (up and g > 0), in {0, 1, 2}
-        codes = positive.logical_and_(up).to(torch.uint8).mul_(2).add_(1).sub_(up.to(torch.uint8))
-        packed = _pack_codes(codes, 2)
-        del positive, up, codes  # bucket-sized: not to be held across the allgather and the decoding
+        packed = None
+        if _terngrad_bucket_encode.wanted(n):
+            packed = _terngrad_bucket_encode.ahead(g, s, layout.segment_index(), b.kernel_seed(shared=False, salt="terngrad"))
+        if packed is None:  # the kernel's reference path, one operation at a time
+            positive = g > 0
+            # |g| / s in g's memory where g is this exchange's own (the clip's), and the spread s freed
+            # before the draws: bucket-sized temporaries one at a time, not four at once.
+            ratio = (g.abs_() if g is not p else g.abs()).div_(layout.per_element(s))
+            up = b.uniforms(n, shared=False, salt="terngrad") < ratio
+            del ratio
+            # t + 1 = 1 - up + 2 (up and g > 0), in {0, 1, 2}
+            codes = positive.logical_and_(up).to(torch.uint8).mul_(2).add_(1).sub_(up.to(torch.uint8))
+            packed = _pack_codes(codes, 2)
+            del positive, up, codes  # bucket-sized: not to be held across the allgather and the decoding
+        del g
         gathered = yield AllGather((packed,))
         total = None
         table = _ternary_bytes(p.device)
@@ -756,7 +784,11 @@ class Natural(GatheredCompressor):
         counter, independently on each rank; the aggregate the mean of the ranks' decoded values,
         summed in rank order (NaN where any rank sent 0x80).  Wire: the bucket's n codes, one byte
         each (allgathered): n bytes."""
-        codes = _natural_codes(p, b.uniforms(p.numel(), shared=False, salt="natural"))
+        codes = None
+        if _natural_encode.wanted(p.numel()):  # the per-tensor route's kernel: the same codes of the same draws
+            codes = _natural_encode.ahead(p, b.kernel_seed(shared=False, salt="natural"))
+        if codes is None:
+            codes = _natural_codes(p, b.uniforms(p.numel(), shared=False, salt="natural"))
         gathered = yield AllGather((codes,))
         values = _natural_values(p.device)
         total = None

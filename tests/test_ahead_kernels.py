@@ -1,0 +1,209 @@
+"""Fused kernels on the bucket route, compiled ahead (:meth:`gradzip.kernels.Kernel.ahead`).
+
+A bucket's first exchange for a shape queues the kernel's compile on a background thread and takes the
+reference path; later exchanges run the kernel.  The kernel and the reference path agree bit for bit
+(aggregates and error-feedback state), so it does not matter at which step each rank switches; no
+compile runs on the exchanging thread; a dispatch mode of the caller's gets the reference path; a
+failing compile warns once and leaves the reference path for good.  The thresholds are lowered to one
+element for the kernels under test (the default, 2^20 elements, would make the buckets here large).
+"""
+from __future__ import annotations
+
+import sys
+import threading
+import warnings
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import gradzip.state  # noqa: F401 - registers the methods
+from gradzip import kernels
+from gradzip.state import GradzipState
+from gradzip.testing import MemoryCounter, OpCounter, launching_ops
+
+quantize = sys.modules["gradzip.compressors.quantize"]
+
+#: (method, parameters, the kernel its bucket route takes ahead)
+CASES = [
+    ("qsgd", {"feedback": "residual"}, "_qsgd_bucket_encode"),
+    ("qsgd", {"levels": 7}, "_qsgd_bucket_encode"),
+    ("terngrad", {"feedback": "residual"}, "_terngrad_bucket_encode"),
+    ("terngrad", {"clip": None}, "_terngrad_bucket_encode"),
+    ("natural", {"feedback": "residual"}, "_natural_encode"),
+]
+IDS = [f"{m}-{'-'.join(f'{k}={v}' for k, v in p.items())}" for m, p, _ in CASES]
+#: Odd shapes together: an empty tensor, one element, a QSGD chunk cut short, a non-power-of-two count.
+SHAPES = [(64, 33), (33,), (0, 3), (1,), (100, 7), (5,)]
+
+
+def bucket(seed: int, device="cpu") -> list:
+    gen = torch.Generator().manual_seed(seed)
+    return [(f"p{i}", torch.randn(s, generator=gen).to(device)) for i, s in enumerate(SHAPES)]
+
+
+def exchanges(method: str, params: dict, steps: int, device="cpu"):
+    """The flat aggregates of ``steps`` exchanges from a fresh bucketed state, and the state."""
+    state = GradzipState(method, bucketed=True, **params)
+    outs = []
+    for step in range(steps):
+        named = bucket(step, device)
+        outs.append(torch.cat([g.reshape(-1) for g in state.exchange(named, out=[g for _, g in named])]))
+    return outs, state
+
+
+def state_tensors(state) -> dict:
+    return {(key, name): t for key, slot in state.tensors.items() for name, t in slot.items()
+            if isinstance(t, torch.Tensor)}
+
+
+def ran_ahead(kernel, monkeypatch) -> list:
+    """Whether each later call of ``kernel.ahead`` ran the kernel (True) or gave the reference path."""
+    ran, original = [], kernel.ahead
+
+    def spied(*args, **static):
+        result = original(*args, **static)
+        ran.append(result is not None)
+        return result
+    monkeypatch.setattr(kernel, "ahead", spied)
+    return ran
+
+
+def compare_with_reference(method, params, kernel, monkeypatch, device="cpu", steps=3):
+    """The reference path's aggregates and state, then the kernel's once compiled ahead: bit for bit."""
+    monkeypatch.setattr(kernel, "min_numel", 1 << 40)
+    want, reference = exchanges(method, params, steps, device)
+    monkeypatch.setattr(kernel, "min_numel", 1)
+    exchanges(method, params, 1, device)  # queues the compile
+    kernels.settle()
+    ran = ran_ahead(kernel, monkeypatch)
+    got, fused = exchanges(method, params, steps, device)
+    assert ran == [True] * steps, f"{method}: the kernel ran at steps {ran}"
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert torch.equal(g, w), f"{method}: aggregates differ at step {step}"
+    a, b = state_tensors(fused), state_tensors(reference)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), f"{method}: state {key} differs"
+
+
+@pytest.fixture(autouse=True)
+def no_failure(monkeypatch):
+    monkeypatch.setattr(kernels, "_failure", None)
+    yield
+    kernels.settle()  # nothing of a test's keeps compiling into the next
+
+
+@pytest.mark.parametrize("method, params, kernel", CASES, ids=IDS)
+def test_kernel_compiled_ahead_agrees_with_reference_bit_for_bit(method, params, kernel, monkeypatch):
+    compare_with_reference(method, params, getattr(quantize, kernel), monkeypatch)
+
+
+def test_the_first_exchange_does_not_wait_for_the_compile(monkeypatch):
+    """The compile runs on the background thread: an exchange finishes (on the reference path) while it is
+    held, and torch.compile is never called on the exchanging thread."""
+    kernel = quantize._qsgd_bucket_encode
+    monkeypatch.setattr(kernel, "min_numel", 1)
+    monkeypatch.setattr(kernel, "_ahead", {})  # nothing compiled for any shape yet
+    release, threads = threading.Event(), []
+    compile_ = torch.compile
+
+    def held_compile(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        assert release.wait(60)
+        return compile_(*args, **kwargs)
+    monkeypatch.setattr(torch, "compile", held_compile)
+    ran = ran_ahead(kernel, monkeypatch)
+    try:
+        got, _ = exchanges("qsgd", {}, 2)
+    finally:
+        release.set()
+    kernels.settle()
+    assert ran == [False, False] and threads == ["gradzip-compile"]
+    monkeypatch.setattr(kernel, "min_numel", 1 << 40)
+    want, _ = exchanges("qsgd", {}, 2)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_a_callers_dispatch_mode_gets_the_reference_path(monkeypatch):
+    """A compiled kernel runs no aten operation a mode could see, so under the caller's own dispatch mode
+    the reference path runs (and nothing is switched off); gradzip's counters see the kernel as one
+    operation and its result's storage."""
+    kernel = quantize._qsgd_bucket_encode
+    monkeypatch.setattr(kernel, "min_numel", 1)
+    exchanges("qsgd", {}, 1)
+    kernels.settle()
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    ran = ran_ahead(kernel, monkeypatch)
+    state = GradzipState("qsgd", bucketed=True)
+    with Seen():
+        state.exchange(bucket(0))
+    with OpCounter() as counter:
+        state.exchange(bucket(1))
+    with MemoryCounter() as memory:
+        state.exchange(bucket(2))
+    assert ran == [False, True, True] and kernels._failure is None
+    assert counter.ops["fused:_qsgd_bucket_encode"] == 1
+    assert launching_ops({"fused:_qsgd_bucket_encode": 1}) == 1
+    assert memory.peak > 0
+
+
+def test_fused_kernels_cut_the_bucket_route_launches(monkeypatch):
+    """Counted on CPU: the quantisers' encoding chains are one operation each once compiled, at least 25
+    operations fewer per bucket than their reference paths dispatch."""
+    for method, params, name in CASES[::2]:
+        kernel = getattr(quantize, name)
+        counts = []
+        for threshold in (1 << 40, 1):
+            monkeypatch.setattr(kernel, "min_numel", threshold)
+            exchanges(method, params, 1)
+            kernels.settle()
+            state = GradzipState(method, bucketed=True, **params)
+            state.exchange(bucket(0))
+            named = bucket(1)
+            with OpCounter() as counter:
+                state.exchange(named)
+            counts.append(launching_ops(counter.ops))
+        assert counts[1] <= counts[0] - 25, f"{method}: {counts[0]} launching operations, {counts[1]} fused"
+
+
+def test_a_failing_compile_warns_once_and_keeps_the_reference_path(monkeypatch):
+    kernel = quantize._terngrad_bucket_encode
+    monkeypatch.setattr(kernel, "min_numel", 1)
+    monkeypatch.setattr(kernel, "_ahead", {})
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found\nmore detail")
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    with pytest.warns(RuntimeWarning, match="fused kernels are off") as caught:
+        got, _ = exchanges("terngrad", {}, 1)
+        kernels.settle()
+    assert len(caught) == 1 and "No working C++ compiler" in str(caught[0].message)
+    assert kernels._failure is not None
+    ran = ran_ahead(kernel, monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again, _ = exchanges("terngrad", {}, 2)
+    assert not any(ran) and not kernel.wanted(1 << 30)
+    monkeypatch.setattr(kernel, "min_numel", 1 << 40)
+    want, _ = exchanges("terngrad", {}, 2)
+    assert torch.equal(got[0], want[0]) and all(torch.equal(g, w) for g, w in zip(again, want))
+
+
+def test_switched_off_and_small_buckets_queue_nothing(monkeypatch):
+    kernel = quantize._natural_encode
+    monkeypatch.setattr(kernel, "_ahead", {})
+    exchanges("natural", {}, 1)  # the default threshold, 2^20 elements, is above this bucket
+    monkeypatch.setattr(kernel, "min_numel", 1)
+    monkeypatch.setenv("GRADZIP_FUSED", "0")
+    exchanges("natural", {}, 1)
+    assert kernel._ahead == {}
