@@ -206,3 +206,30 @@ def test_bucket_route_on_cuda_equals_on_cpu(name, params):
                     f"sketch step {step}: {differ} of {close.numel()} differ, not only by tied picks"
             else:
                 assert differ <= 0.001 * close.numel(), f"{name} step {step}: {differ} of {close.numel()} differ"
+
+
+def _ahead_cases():
+    from ..test_ahead_kernels import CASES, IDS
+    return [pytest.param(*case, id=case_id) for case, case_id in zip(CASES, IDS)]
+
+
+@pytest.mark.parametrize("method, params, kernel", _ahead_cases())
+def test_bucket_kernels_compiled_ahead_on_cuda(method, params, kernel, monkeypatch):
+    """On CUDA the bucket route's kernels compiled ahead (Triton, eager numerics) give the reference
+    path's aggregates and state bit for bit, and an exchange that runs one never waits for the device."""
+    import sys
+
+    from gradzip.state import GradzipState
+
+    from ..test_ahead_kernels import bucket, compare_with_reference
+    fused = getattr(sys.modules["gradzip.compressors.quantize"], kernel)
+    compare_with_reference(method, params, fused, monkeypatch, device="cuda")
+    state = GradzipState(method, bucketed=True, **params)
+    state.exchange(bucket(0, "cuda"))
+    named = bucket(1, "cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        state.exchange(named, out=[g for _, g in named])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
