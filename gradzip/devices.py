@@ -10,6 +10,7 @@ Each takes a tensor or a device.  This module sits beside :mod:`gradzip.bits`: i
 """
 from __future__ import annotations
 
+import platform
 from typing import Union
 
 import torch
@@ -28,6 +29,15 @@ def cuda(where: Where) -> bool:
     """On a CUDA device: exchanges there run on a side stream ordered by events, a flag the host reads
     later goes through pinned memory, the bucket route is the default, and NCCL's device is the state's."""
     return _type(where) == "cuda"
+
+
+def compile_target(where: Where) -> str:
+    """What a kernel compiled ahead is compiled for (part of its cached file's name): the machine's kind of
+    CPU, or the GPU's compute capability and CUDA version."""
+    if _type(where) == "cuda":
+        major, minor = torch.cuda.get_device_capability(torch.device(where))
+        return f"cuda-sm{major}{minor}-{torch.version.cuda}"
+    return f"{_type(where)}-{platform.machine()}"
 
 
 def host_memory(where: Where) -> bool:

@@ -11,11 +11,10 @@ bit for bit (random draws come in as tensors, from the same private generators).
   serves every size).  So a kernel runs only on tensors large enough that its saving repays that within
   a few hundred steps: ``min_numel`` elements (:data:`MIN_NUMEL`, or :data:`LARGE_NUMEL` for kernels
   that save little per element, such as sign packing); smaller tensors keep the reference path.
-- The bucket route cannot wait seconds in a user's step, so it takes its kernels *ahead of time*
-  (:meth:`Kernel.ahead`): the first call for a bucket's shapes queues a compile on a background thread
-  and takes the reference path; once compiled, calls run the kernel.  These kernels are compiled with
-  eager numerics (no contracted multiply-adds, division and denormals as eager), so a kernel and the
-  reference path agree bit for bit and it does not matter at which step each rank switches.
+- The bucket route cannot wait seconds in a user's step, so it takes its kernels compiled ahead
+  (:meth:`Kernel.ahead`, :mod:`gradzip.ahead`): once per machine, in a process of their own, loaded
+  when ready; until then the reference path runs.  They are compiled with eager numerics, so a kernel
+  and its reference path agree bit for bit and it does not matter at which step each rank switches.
 - ``GRADZIP_FUSED=0`` in the environment forces the reference path.
 - If compiling or running a kernel fails (no C++ compiler, an Inductor error), gradzip warns once with
   the cause and uses the reference path for the rest of the process.
@@ -24,10 +23,8 @@ This module sits beside :mod:`gradzip.bits`: it imports only torch.
 """
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
-import queue
 import sys
 import threading
 import types
@@ -36,6 +33,8 @@ from typing import Callable, Optional
 
 import torch
 from torch.utils import _python_dispatch
+
+from . import ahead
 
 __all__ = ["MIN_NUMEL", "LARGE_NUMEL", "UNROLL_RANKS", "KERNELS", "Kernel", "fused", "enabled", "enabled_over_ranks",
            "settle",
@@ -176,30 +175,32 @@ class Kernel:
         return numel >= self.min_numel and _failure is None and os.environ.get("GRADZIP_FUSED", "1") != "0"
 
     def ahead(self, *args, **static):
-        """The kernel's result where it has been compiled for exactly these arguments (each tensor's
-        shape, strides, dtype and device; the other arguments' values); else None, the caller taking its
-        reference path, and the kernel is queued for compiling on a background thread (on zero tensors
-        of those shapes), so that a later call finds it.  No compile lands in the caller's step, and
-        each shape has a compile of its own: none is ever repeated in the caller's step on a guard that
-        a dynamic compile would have failed.  None too under ``min_numel`` and once kernels failed."""
+        """The kernel's result where it has been compiled ahead (:mod:`gradzip.ahead`) for the form of
+        ``args`` (contiguous tensors: their dtypes, device and which dimensions are 0, 1 or equal);
+        else None, the caller taking its reference path, and the first such call queues the package's
+        loading (or compiling, in a child process) on a background thread.  No compile lands in the
+        caller's step or process.  None too under ``min_numel`` and once kernels failed."""
         if not self.wanted(max(a.numel() for a in args if isinstance(a, torch.Tensor))):
             return None
         modes = _python_dispatch._get_current_dispatch_mode_stack()
         if not all(getattr(mode, "sees_fused_kernels", False) for mode in modes):
             return None  # a dispatch mode of the caller's would see none of the kernel's work: its reference path
-        key = (tuple(sorted(static.items())), tuple(_signature(a) for a in args))
+        shapes = ahead.form(args)
+        if shapes is None:
+            return None
+        key = (tuple(sorted(static.items())), shapes)
         with _AHEAD_LOCK:
-            compiled = self._ahead.get(key)
-            if compiled is None:
+            package = self._ahead.get(key)
+            if package is None:
                 self._ahead[key] = _PENDING
-                _ahead_queue().put((self, key, static))
-        if compiled is None or compiled is _PENDING:
+                ahead.submit(lambda: self._load_ahead(key, static, shapes))
+        if package is None or package is _PENDING or not package.fits(args):
             return None
         try:
             if not modes:
-                return compiled(*args)
-            with _python_dispatch._disable_current_modes():  # a compiled graph does not run under a mode
-                result = compiled(*args)
+                return package(*args)
+            with _python_dispatch._disable_current_modes():  # a compiled kernel shows a mode no operation
+                result = package(*args)
         except Exception as exc:  # noqa: BLE001 - as in run: the reference path from now on
             _disable(exc)
             return None
@@ -207,58 +208,27 @@ class Kernel:
             mode.saw_fused_kernel(self.__name__, result)
         return result
 
-    def _compile_ahead(self, key, static) -> None:
-        """Compile for ``key`` (on the background thread) by a first call on zero tensors of its shapes."""
-        fn = torch.compile(_specialise(self.fn, static, f"ahead{len(self._ahead)}"), fullgraph=True, dynamic=False,
-                           options=_eager_numerics())
-        zeros = [torch.empty_strided(*sig[:2], dtype=sig[2], device=sig[3]).zero_() if sig[0] != "value" else sig[1]
-                 for sig in key[1]]
-        with torch.no_grad():  # as the exchanges call it: grad mode is among what a compile guards on
-            fn(*zeros)
+    def _load_ahead(self, key, static, shapes) -> None:
+        """The background thread's job: load (or compile, then load) the package for ``key``."""
+        if _failure is not None:
+            return
+        try:
+            package = ahead.load(self.fn, static, shapes, _eager_numerics())
+        except Exception as exc:  # noqa: BLE001 - any compiler failure: the reference path for good
+            _disable(exc)
+            return
         with _AHEAD_LOCK:
-            self._ahead[key] = fn
+            self._ahead[key] = package
 
 
 _PENDING = object()
 _AHEAD_LOCK = threading.Lock()
-_AHEAD: list = []  # the queue and its thread, made on first use
-
-
-def _signature(arg) -> tuple:
-    if isinstance(arg, torch.Tensor):
-        return (tuple(arg.shape), arg.stride(), arg.dtype, arg.device)
-    return ("value", arg)
-
-
-def _ahead_queue() -> queue.Queue:
-    if not _AHEAD:
-        jobs: queue.Queue = queue.Queue()
-        threading.Thread(target=_compile_jobs, args=(jobs,), name="gradzip-compile", daemon=True).start()
-        _AHEAD.append(jobs)
-    return _AHEAD[0]
-
-
-def _compile_jobs(jobs: queue.Queue) -> None:
-    while True:
-        kernel, key, static = jobs.get()
-        try:
-            if _failure is None and not _EXITING.is_set():
-                kernel._compile_ahead(key, static)
-        except Exception as exc:  # noqa: BLE001 - any compiler failure: the reference path for good
-            _disable(exc)
-        finally:
-            jobs.task_done()
-
-
-_EXITING = threading.Event()
-atexit.register(_EXITING.set)  # a compile queued at exit is not started: the process is not kept waiting
 
 
 def settle() -> None:
-    """Wait until every compile queued by :meth:`Kernel.ahead` has finished (tests; benchmarks, before
-    their timed steps)."""
-    if _AHEAD:
-        _AHEAD[0].join()
+    """Wait until every kernel queued by :meth:`Kernel.ahead` is loaded (or compiled, or failed): tests;
+    benchmarks, before their timed steps."""
+    ahead.settle()
 
 
 def _eager_numerics() -> dict:
@@ -275,13 +245,13 @@ def _eager_numerics() -> dict:
     return known
 
 
-def _specialise(fn: Callable, static: dict, tag: str = "") -> Callable:
+def _specialise(fn: Callable, static: dict) -> Callable:
     """``fn`` with ``static`` bound (read from a closure, so compiled in as constants), under a code
     object of its own: torch.compile keeps its caches and recompile limit per code object."""
     def specialised(*args):
         return fn(*args, **static)
 
-    suffix = "_".join([f"{k}{v}" for k, v in sorted(static.items())] + ([tag] if tag else []))
+    suffix = "_".join(f"{k}{v}" for k, v in sorted(static.items()))
     code = specialised.__code__.replace(co_name=f"{getattr(fn, '__name__', 'kernel')}_{suffix}")
     return types.FunctionType(code, specialised.__globals__, code.co_name, None, specialised.__closure__)
 

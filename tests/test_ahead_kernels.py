@@ -1,16 +1,18 @@
-"""Fused kernels on the bucket route, compiled ahead (:meth:`gradzip.kernels.Kernel.ahead`).
+"""Fused kernels on the bucket route, compiled ahead (:meth:`gradzip.kernels.Kernel.ahead`, :mod:`gradzip.ahead`).
 
-A bucket's first exchange for a shape queues the kernel's compile on a background thread and takes the
-reference path; later exchanges run the kernel.  The kernel and the reference path agree bit for bit
-(aggregates and error-feedback state), so it does not matter at which step each rank switches; no
-compile runs on the exchanging thread; a dispatch mode of the caller's gets the reference path; a
-failing compile warns once and leaves the reference path for good.  The thresholds are lowered to one
+A bucket's first exchange for a kernel's form queues the loading of its package (compiled in a child
+process where the machine's cache has none) and takes the reference path; later exchanges run it.  The
+kernel and the reference path agree bit for bit (aggregates and error-feedback state), so it does not
+matter at which step each rank switches; no compile runs in the process; a dispatch mode of the
+caller's gets the reference path; a failing compile warns once and leaves the reference path for good.  The thresholds are lowered to one
 element for the kernels under test (the default, 2^20 elements, would make the buckets here large).
 """
 from __future__ import annotations
 
+import os
 import sys
 import threading
+import time
 import warnings
 
 import pytest
@@ -18,7 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import gradzip.state  # noqa: F401 - registers the methods
-from gradzip import kernels
+from gradzip import ahead, kernels
 from gradzip.state import GradzipState
 from gradzip.testing import MemoryCounter, OpCounter, launching_ops
 
@@ -71,6 +73,7 @@ def ran_ahead(kernel, monkeypatch) -> list:
 
 def compare_with_reference(method, params, kernel, monkeypatch, device="cpu", steps=3):
     """The reference path's aggregates and state, then the kernel's once compiled ahead: bit for bit."""
+    monkeypatch.setattr(kernel, "_ahead", {})  # what this process loaded before: not from this session's cache
     monkeypatch.setattr(kernel, "min_numel", 1 << 40)
     want, reference = exchanges(method, params, steps, device)
     monkeypatch.setattr(kernel, "min_numel", 1)
@@ -99,30 +102,78 @@ def test_kernel_compiled_ahead_agrees_with_reference_bit_for_bit(method, params,
     compare_with_reference(method, params, getattr(quantize, kernel), monkeypatch)
 
 
-def test_the_first_exchange_does_not_wait_for_the_compile(monkeypatch):
-    """The compile runs on the background thread: an exchange finishes (on the reference path) while it is
-    held, and torch.compile is never called on the exchanging thread."""
+def test_the_compile_runs_in_a_child_while_exchanges_go_on(monkeypatch, tmp_path):
+    """With no package in the cache, exchanges take the reference path while the child compiles (held
+    here until they are done), the process never compiles (``torch.compiler.is_compiling()`` stays false
+    in it, which PyTorch's optimizers and DDP branch on), and the package serves the exchanges after."""
+    monkeypatch.setenv("GRADZIP_KERNEL_CACHE", str(tmp_path))
     kernel = quantize._qsgd_bucket_encode
     monkeypatch.setattr(kernel, "min_numel", 1)
-    monkeypatch.setattr(kernel, "_ahead", {})  # nothing compiled for any shape yet
-    release, threads = threading.Event(), []
-    compile_ = torch.compile
+    monkeypatch.setattr(kernel, "_ahead", {})
+    release, spawned = threading.Event(), []
+    spawn = ahead.spawn
 
-    def held_compile(*args, **kwargs):
-        threads.append(threading.current_thread().name)
+    def held(argv):
+        spawned.append(threading.current_thread().name)
         assert release.wait(60)
-        return compile_(*args, **kwargs)
-    monkeypatch.setattr(torch, "compile", held_compile)
+        spawn(argv)
+    monkeypatch.setattr(ahead, "spawn", held)
     ran = ran_ahead(kernel, monkeypatch)
     try:
         got, _ = exchanges("qsgd", {}, 2)
     finally:
         release.set()
+    compiling = False
+    while not list(tmp_path.glob("*.pt2")):  # until the child's package is written
+        compiling |= torch.compiler.is_compiling()
+        time.sleep(0.01)
     kernels.settle()
-    assert ran == [False, False] and threads == ["gradzip-compile"]
+    assert ran == [False, False] and spawned == ["gradzip-ahead"] and not compiling
+    again, _ = exchanges("qsgd", {}, 2)
+    assert ran[2:] == [True, True]
     monkeypatch.setattr(kernel, "min_numel", 1 << 40)
     want, _ = exchanges("qsgd", {}, 2)
-    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert all(torch.equal(g, w) for g, w in zip(got + again, want + want))
+
+
+def test_a_package_in_the_cache_is_loaded_not_compiled(monkeypatch):
+    """Compiled once per machine: a process that finds the package (here, a kernel that forgot what it
+    loaded) loads it without a child."""
+    kernel = quantize._natural_encode
+    monkeypatch.setattr(kernel, "min_numel", 1)
+    monkeypatch.setattr(kernel, "_ahead", {})
+    exchanges("natural", {}, 1)  # loaded from the session's cache, or compiled into it
+    kernels.settle()
+    monkeypatch.setattr(kernel, "_ahead", {})
+
+    def compiled_again(argv):
+        raise RuntimeError("compiled again")
+    monkeypatch.setattr(ahead, "spawn", compiled_again)
+    ran = ran_ahead(kernel, monkeypatch)
+    exchanges("natural", {}, 1)
+    kernels.settle()
+    exchanges("natural", {}, 1)
+    assert ran == [False, True] and kernels._failure is None
+
+
+def test_ranks_on_one_machine_compile_once(monkeypatch, tmp_path):
+    """A package another process is compiling (its lock file there) is waited for, not compiled again;
+    a lock left by a compile that died is taken over."""
+    path = str(tmp_path / "k.pt2")
+    spawned = []
+    monkeypatch.setattr(ahead, "spawn", lambda argv: spawned.append(argv) or open(path, "w").close())
+    open(path + ".lock", "w").close()
+    waiter = threading.Thread(target=ahead._compile, args=(path, {}))
+    waiter.start()
+    time.sleep(0.5)
+    assert waiter.is_alive() and not spawned
+    open(path, "w").close()  # the other process's package
+    waiter.join(10)
+    assert not waiter.is_alive() and not spawned
+    os.remove(path)
+    os.utime(path + ".lock", (0, 0))  # a dead compile's lock
+    ahead._compile(path, {})
+    assert len(spawned) == 1 and os.path.exists(path) and not os.path.exists(path + ".lock")
 
 
 def test_a_callers_dispatch_mode_gets_the_reference_path(monkeypatch):
@@ -176,19 +227,20 @@ def test_fused_kernels_cut_the_bucket_route_launches(monkeypatch):
         assert counts[1] <= counts[0] - 25, f"{method}: {counts[0]} launching operations, {counts[1]} fused"
 
 
-def test_a_failing_compile_warns_once_and_keeps_the_reference_path(monkeypatch):
+def test_a_failing_compile_warns_once_and_keeps_the_reference_path(monkeypatch, tmp_path):
+    monkeypatch.setenv("GRADZIP_KERNEL_CACHE", str(tmp_path))
     kernel = quantize._terngrad_bucket_encode
     monkeypatch.setattr(kernel, "min_numel", 1)
     monkeypatch.setattr(kernel, "_ahead", {})
 
-    def no_compiler(*args, **kwargs):
-        raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found\nmore detail")
-    monkeypatch.setattr(torch, "compile", no_compiler)
+    def no_compiler(argv):
+        raise RuntimeError("compiling a kernel ahead failed: InvalidCxxCompiler: No working C++ compiler found")
+    monkeypatch.setattr(ahead, "spawn", no_compiler)
     with pytest.warns(RuntimeWarning, match="fused kernels are off") as caught:
         got, _ = exchanges("terngrad", {}, 1)
         kernels.settle()
     assert len(caught) == 1 and "No working C++ compiler" in str(caught[0].message)
-    assert kernels._failure is not None
+    assert kernels._failure is not None and not list(tmp_path.iterdir())  # no lock left behind
     ran = ran_ahead(kernel, monkeypatch)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

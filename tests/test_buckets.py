@@ -339,20 +339,22 @@ def test_the_optimizer_wrapper_and_diloco_take_the_bucket_route(name, one_rank_g
     torch.testing.assert_close(finals[True], finals[False], rtol=1e-5, atol=1e-6)
 
 
-def test_no_fused_kernel_runs_on_the_bucket_route(monkeypatch):
-    """A fused kernel's first compile takes seconds: the bucket route runs eager operations only, even
+def test_no_kernel_compiles_in_a_bucket_exchange(monkeypatch):
+    """A fused kernel's first compile takes seconds: the bucket route takes only kernels compiled ahead
+    (``Kernel.ahead``, tests/test_ahead_kernels.py), never one compiled on its first call (``run``), even
     where the thresholds would let the kernels run (the per-tensor route then runs them)."""
     from gradzip import kernels
 
     monkeypatch.setattr(kernels, "MIN_NUMEL", 1)
     monkeypatch.setattr(kernels, "LARGE_NUMEL", 1)
-    calls = []
+    calls, ahead = [], []
     for kernel in kernels.KERNELS:
         monkeypatch.setattr(kernel, "min_numel", 1)
         monkeypatch.setattr(kernel, "run", lambda *args, _k=kernel, **static: calls.append(_k.__name__))
+        monkeypatch.setattr(kernel, "ahead", lambda *args, _k=kernel, **static: ahead.append(_k.__name__))
     for name in ("signsgd", "qsgd", "efsignsgd", "onebit", "natural", "terngrad", "threshold"):
         GradzipState(name, bucketed=True).exchange(_bucket()[1])
-    assert not calls
+    assert not calls and set(ahead) == {"_qsgd_bucket_encode", "_natural_encode", "_terngrad_bucket_encode"}
     GradzipState("efsignsgd", bucketed=False).exchange(_bucket()[1])  # its kernels may return None
     assert calls
 

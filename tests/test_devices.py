@@ -111,3 +111,9 @@ def test_the_bucket_route_in_the_gpus_forms_equals_the_cpus(name, params, shapes
                 torch.testing.assert_close(states[1].tensors[key][what], value, rtol=1e-4, atol=1e-5)
     if not asked:
         pytest.skip(f"{name}'s exchange asks the seam nothing: one form on every device")
+
+
+def test_a_kernel_compiled_ahead_is_named_for_its_machine():
+    """Not a predicate: what a package in the kernel cache was compiled for (a CPU's kind here)."""
+    import platform
+    assert devices.compile_target(torch.zeros(1)) == devices.compile_target("cpu") == f"cpu-{platform.machine()}"

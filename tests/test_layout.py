@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent / "gradzip"
 # bit codecs -> compressors (and their fused kernels) -> error feedback -> collectives -> state; the
 # integrations and the lab sit above and may import anything below them.
-CORE = {"bits": 0, "kernels": 1, "compressors": 1, "feedback": 2, "collectives": 3, "buckets": 4, "state": 4}
+CORE = {"bits": 0, "devices": 0, "ahead": 0, "kernels": 1, "compressors": 1, "feedback": 2, "collectives": 3, "buckets": 4, "state": 4}
 
 
 def _modules():

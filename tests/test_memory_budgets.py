@@ -18,8 +18,9 @@ kept for every bucket at once, while buckets are exchanged one after another, so
 state + transient / B copies.  Budgets: state at most one copy (two for DGC, whose paper keeps momentum
 and velocity), and a transient of at most 4 bucket copies, which holds a model of 4 or more 25 MB buckets
 (100 MB of gradients; smaller models' memory is not what limits anyone) within two copies for a method
-with a residual.  Methods over budget are listed in ``OVER_BUDGET`` with what they measured and expected to
-fail, strictly.  Counts are exact: allocations do not depend on timing or load.
+with a residual.  Methods over the transient budget are listed in ``OVER_BUDGET`` with what they measure
+today, which they must not exceed (a ratchet: a change that adds a copy fails), and must stay over
+budget (once one meets it, its entry goes).  Counts are exact: allocations do not depend on timing or load.
 """
 from __future__ import annotations
 
@@ -39,11 +40,10 @@ STATE_COPIES = 1.0
 KEPT_COPIES = 0.05
 #: DGC keeps momentum and velocity; PowerSGD its residual and its bases Q, (m x r) per matrix (0.3% here)
 STATE_COPIES_OF = {"dgc": 2.0, "powersgd": 1.01}
-#: Measured on the bucket route (transient / state, in bucket copies).  Most of it is fused-kernel code run
-#: eagerly (each step of the per-element chain a new temporary), which the bucket route does today.
-OVER_BUDGET = {
-    "dgc": "4.26 / 2.0", "sketch": "15.5 / 1.0",
-}
+#: Transient bucket copies measured on the bucket route, over TRANSIENT_COPIES.  DGC: momentum, |v|, the
+#: segment index, a threshold spread over the elements and the candidates' bool at once; sketch: R rows of
+#: kept draws, then of estimates for the median.
+OVER_BUDGET = {"dgc": 4.27, "sketch": 15.51}
 #: A transformer block's shapes twice over (width 512), as one DDP bucket holds them.
 SHAPES = [(512, 512), (512,), (2048, 512), (512, 2048), (512,)] * 2
 METHODS = sorted(set(gradzip.compressors()) - {"auto"})  # auto: its choice's route (tests/test_buckets.py)
@@ -59,6 +59,9 @@ def measure(method: str) -> tuple:
     """(transient, state, kept) of one steady exchange, in copies of the bucket, as a GPU would take them."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(devices, "reuses_buffers", lambda where: False)
+        # the reference paths: what runs until the bucket's fused kernels are compiled ahead (and counted
+        # the same whether or not a compile finished meanwhile)
+        patch.setenv("GRADZIP_FUSED", "0")
         state = GradzipState(method, bucketed=True, **BENCH_PARAMS.get(method, {}))
         with MemoryCounter() as kept:
             for seed in range(3):
@@ -92,19 +95,19 @@ def test_the_counter_sees_allocations_while_they_live():
     del c, total, d
 
 
-def _marks(method):
-    if method in OVER_BUDGET:
-        return [pytest.mark.xfail(strict=True, raises=AssertionError, reason=OVER_BUDGET[method])]
-    return []
-
-
-@pytest.mark.parametrize("method", [pytest.param(m, marks=_marks(m)) for m in METHODS])
+@pytest.mark.parametrize("method", METHODS)
 def test_memory_budget(method):
     transient, state, kept = measure(method)
     limit = STATE_COPIES_OF.get(method, STATE_COPIES)
     assert state <= limit + 1e-9, f"{method}: {state:.2f} copies of state > {limit}"
     assert kept <= KEPT_COPIES, f"{method}: {kept:.3f} copies kept beyond its state > {KEPT_COPIES}"
-    assert transient <= TRANSIENT_COPIES, f"{method}: transient {transient:.2f} bucket copies > {TRANSIENT_COPIES}"
+    if method not in OVER_BUDGET:
+        assert transient <= TRANSIENT_COPIES, f"{method}: transient {transient:.2f} bucket copies > {TRANSIENT_COPIES}"
+        return
+    assert transient <= OVER_BUDGET[method], (
+        f"{method}: transient {transient:.2f} bucket copies, more than the {OVER_BUDGET[method]} it measured")
+    assert transient > TRANSIENT_COPIES, (
+        f"{method}: transient {transient:.2f} bucket copies, within budget now: remove it from OVER_BUDGET")
 
 
 def test_kept_memory_is_counted():  # the kept count sees a cache that lives on after the exchanges

@@ -124,7 +124,11 @@ class BucketLayout:
         """:meth:`reduce` of each flat tensor the iterable ``values`` yields, as rows (one per tensor
         yielded, a column per tensor of the bucket): each one's pieces reduced as it comes (one
         bucket-sized value alive at a time), every one's second level at once."""
-        first = torch.stack([self.chunk_reduce(v, how, PIECE) for v in values], dim=1)
+        firsts = []
+        for v in values:
+            firsts.append(self.chunk_reduce(v, how, PIECE))
+            del v  # before the next one is made: a comprehension would hold two at once
+        first = torch.stack(firsts, dim=1)
         if total is not None:
             first = first.to(total)
         return _segment_reduce(first, how, self._piece_offsets).T
