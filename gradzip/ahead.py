@@ -28,6 +28,7 @@ import importlib
 import json
 import os
 import queue
+import socket
 import subprocess
 import sys
 import threading
@@ -106,21 +107,47 @@ def load(fn: Callable, static: dict, shapes: tuple, options: dict) -> Package:
 _CHILDREN: set = set()
 
 
+_HELD: set = set()  # lock files this process holds (removed at exit too)
+
+
 def _compile(path: str, spec: dict) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     lock = path + ".lock"
     while not os.path.exists(path):
         try:
-            os.close(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:  # another process compiles it: wait for its file, or take a dead one's lock over
-            if time.time() - _mtime(lock) > STALE_LOCK_S:
+            if _dead(lock):
                 _remove(lock)
             time.sleep(0.2)
             continue
+        _HELD.add(lock)
+        with os.fdopen(fd, "w") as holder:
+            holder.write(f"{socket.gethostname()} {os.getpid()}")
         try:
             spawn([sys.executable, "-m", __name__, json.dumps(spec)])
         finally:
             _remove(lock)
+            _HELD.discard(lock)
+
+
+def _dead(lock: str) -> bool:
+    """Whether the process that wrote ``lock`` is gone: on this host and not running, or its lock older than
+    :data:`STALE_LOCK_S` (another host's, on a shared file system)."""
+    try:
+        with open(lock) as holder:
+            host, pid = holder.read().split()
+    except (OSError, ValueError):  # gone, or written only in part: its holder may still be writing it
+        return time.time() - _mtime(lock) > 1
+    if host == socket.gethostname():
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return True
+        except (OSError, ValueError):  # alive, another user's
+            return False
+        return False
+    return time.time() - _mtime(lock) > STALE_LOCK_S
 
 
 def spawn(argv: list) -> None:
@@ -175,6 +202,11 @@ def _work(jobs: queue.Queue) -> None:
             jobs.task_done()
 
 
+def exiting() -> bool:
+    """Whether the process is exiting (its compiling child stopped on purpose: not a failure to report)."""
+    return _EXITING.is_set()
+
+
 def settle() -> None:
     """Wait until every job queued so far has finished."""
     if _JOBS:
@@ -186,6 +218,8 @@ def _exit() -> None:  # a queued job is not started, a running child is stopped:
     _EXITING.set()
     for child in list(_CHILDREN):
         child.kill()
+    for lock in list(_HELD):
+        _remove(lock)
 
 
 # -- the child ---------------------------------------------------------------------------------------------

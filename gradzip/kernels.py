@@ -215,7 +215,8 @@ class Kernel:
         try:
             package = ahead.load(self.fn, static, shapes, _eager_numerics())
         except Exception as exc:  # noqa: BLE001 - any compiler failure: the reference path for good
-            _disable(exc)
+            if not ahead.exiting():
+                _disable(exc)
             return
         with _AHEAD_LOCK:
             self._ahead[key] = package

@@ -10,6 +10,8 @@ element for the kernels under test (the default, 2^20 elements, would make the b
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
 import sys
 import threading
 import time
@@ -158,11 +160,12 @@ def test_a_package_in_the_cache_is_loaded_not_compiled(monkeypatch):
 
 def test_ranks_on_one_machine_compile_once(monkeypatch, tmp_path):
     """A package another process is compiling (its lock file there) is waited for, not compiled again;
-    a lock left by a compile that died is taken over."""
+    a lock left by a process that died, or long ago on another host, is taken over."""
     path = str(tmp_path / "k.pt2")
     spawned = []
     monkeypatch.setattr(ahead, "spawn", lambda argv: spawned.append(argv) or open(path, "w").close())
-    open(path + ".lock", "w").close()
+    with open(path + ".lock", "w") as lock:
+        lock.write(f"{socket.gethostname()} {os.getpid()}")  # a live process: this one
     waiter = threading.Thread(target=ahead._compile, args=(path, {}))
     waiter.start()
     time.sleep(0.5)
@@ -170,10 +173,34 @@ def test_ranks_on_one_machine_compile_once(monkeypatch, tmp_path):
     open(path, "w").close()  # the other process's package
     waiter.join(10)
     assert not waiter.is_alive() and not spawned
-    os.remove(path)
-    os.utime(path + ".lock", (0, 0))  # a dead compile's lock
-    ahead._compile(path, {})
-    assert len(spawned) == 1 and os.path.exists(path) and not os.path.exists(path + ".lock")
+    for holder, age in ((f"{socket.gethostname()} {_dead_pid()}", 0), ("elsewhere 1", ahead.STALE_LOCK_S + 1)):
+        os.remove(path)
+        with open(path + ".lock", "w") as lock:
+            lock.write(holder)
+        os.utime(path + ".lock", (time.time() - age,) * 2)
+        ahead._compile(path, {})
+        assert os.path.exists(path) and not os.path.exists(path + ".lock")
+    assert len(spawned) == 2
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_a_process_that_exits_mid_compile_leaves_no_lock(tmp_path):
+    """A user's script that ends while its kernel compiles: the child is stopped and the lock removed, so
+    the next run compiles instead of waiting for a file that never comes."""
+    script = (
+        "import os, sys, time, threading\n"
+        "from gradzip import ahead\n"
+        "ahead.spawn = lambda argv: time.sleep(60)\n"
+        "threading.Thread(target=ahead._compile, args=(sys.argv[1], {}), daemon=True).start()\n"
+        "while not os.path.exists(sys.argv[1] + '.lock'): time.sleep(0.01)\n")
+    path = str(tmp_path / "k.pt2")
+    done = subprocess.run([sys.executable, "-c", script, path], timeout=30)
+    assert done.returncode == 0 and not os.path.exists(path + ".lock")
 
 
 def test_a_callers_dispatch_mode_gets_the_reference_path(monkeypatch):
