@@ -222,6 +222,16 @@ def _exit() -> None:  # a queued job is not started, a running child is stopped:
         _remove(lock)
 
 
+def _forked() -> None:  # a forked copy (a data loader's worker) owns neither the parent's children nor its locks
+    _CHILDREN.clear()
+    _HELD.clear()
+    _JOBS.clear()  # nor its thread: a job of the copy's own starts one
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
+
+
 # -- the child ---------------------------------------------------------------------------------------------
 
 

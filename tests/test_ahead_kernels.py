@@ -286,3 +286,21 @@ def test_switched_off_and_small_buckets_queue_nothing(monkeypatch):
     monkeypatch.setenv("GRADZIP_FUSED", "0")
     exchanges("natural", {}, 1)
     assert kernel._ahead == {}
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_copy_leaves_the_parents_compile_alone(tmp_path):
+    """A data loader's worker forked while a kernel compiles exits (atexit and all) without removing the
+    parent's lock, which would let another rank compile the same package again."""
+    script = (
+        "import os, sys\n"
+        "from gradzip import ahead\n"
+        "open(sys.argv[1], 'w').close()\n"
+        "ahead._HELD.add(sys.argv[1])\n"
+        "pid = os.fork()\n"
+        "if pid == 0: sys.exit(0)\n"
+        "os.waitpid(pid, 0)\n"
+        "print(os.path.exists(sys.argv[1]))\n")
+    lock = str(tmp_path / "k.pt2.lock")
+    done = subprocess.run([sys.executable, "-c", script, lock], timeout=30, capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "True"
