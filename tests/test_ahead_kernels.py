@@ -28,13 +28,13 @@ from gradzip.testing import MemoryCounter, OpCounter, launching_ops
 
 quantize = sys.modules["gradzip.compressors.quantize"]
 
-#: (method, parameters, the kernel its bucket route takes ahead)
+#: (method, parameters, the kernels its bucket route takes ahead: encoding, then error feedback's residual)
 CASES = [
-    ("qsgd", {"feedback": "residual"}, "_qsgd_bucket_encode"),
-    ("qsgd", {"levels": 7}, "_qsgd_bucket_encode"),
-    ("terngrad", {"feedback": "residual"}, "_terngrad_bucket_encode"),
-    ("terngrad", {"clip": None}, "_terngrad_bucket_encode"),
-    ("natural", {"feedback": "residual"}, "_natural_encode"),
+    ("qsgd", {"feedback": "residual"}, ("_qsgd_bucket_encode", "_qsgd_bucket_residual")),
+    ("qsgd", {"levels": 7}, ("_qsgd_bucket_encode",)),
+    ("terngrad", {"feedback": "residual"}, ("_terngrad_bucket_encode", "_terngrad_bucket_residual")),
+    ("terngrad", {"clip": None}, ("_terngrad_bucket_encode",)),
+    ("natural", {"feedback": "residual"}, ("_natural_encode", "_natural_bucket_residual")),
 ]
 IDS = [f"{m}-{'-'.join(f'{k}={v}' for k, v in p.items())}" for m, p, _ in CASES]
 #: Odd shapes together: an empty tensor, one element, a QSGD chunk cut short, a non-power-of-two count.
@@ -73,20 +73,24 @@ def ran_ahead(kernel, monkeypatch) -> list:
     return ran
 
 
-def compare_with_reference(method, params, kernel, monkeypatch, device="cpu", steps=3):
-    """The reference path's aggregates and state, then the kernel's once compiled ahead: bit for bit."""
-    monkeypatch.setattr(kernel, "_ahead", {})  # what this process loaded before: not from this session's cache
-    monkeypatch.setattr(kernel, "min_numel", 1 << 40)
+def compare_with_reference(method, params, names, monkeypatch, device="cpu", steps=3):
+    """The reference paths' aggregates and state, then those with the kernels ``names`` compiled ahead:
+    bit for bit, every kernel having run at every call from the second step on (a residual's first)."""
+    fused = [getattr(quantize, name) for name in names]
+    for kernel in fused:
+        monkeypatch.setattr(kernel, "_ahead", {})  # what this process loaded before: not from this session's cache
+        monkeypatch.setattr(kernel, "min_numel", 1 << 40)
     want, reference = exchanges(method, params, steps, device)
-    monkeypatch.setattr(kernel, "min_numel", 1)
-    exchanges(method, params, 1, device)  # queues the compile
+    for kernel in fused:
+        monkeypatch.setattr(kernel, "min_numel", 1)
+    exchanges(method, params, 2, device)  # queues the compiles (a residual's from the second step on)
     kernels.settle()
-    ran = ran_ahead(kernel, monkeypatch)
-    got, fused = exchanges(method, params, steps, device)
-    assert ran == [True] * steps, f"{method}: the kernel ran at steps {ran}"
+    ran = {kernel.__name__: ran_ahead(kernel, monkeypatch) for kernel in fused}
+    got, fused_state = exchanges(method, params, steps, device)
+    assert all(len(r) >= steps - 1 and all(r) for r in ran.values()), f"{method}: the kernels ran at calls {ran}"
     for step, (g, w) in enumerate(zip(got, want)):
         assert torch.equal(g, w), f"{method}: aggregates differ at step {step}"
-    a, b = state_tensors(fused), state_tensors(reference)
+    a, b = state_tensors(fused_state), state_tensors(reference)
     assert a.keys() == b.keys()
     for key in a:
         assert torch.equal(a[key], b[key]), f"{method}: state {key} differs"
@@ -99,9 +103,9 @@ def no_failure(monkeypatch):
     kernels.settle()  # nothing of a test's keeps compiling into the next
 
 
-@pytest.mark.parametrize("method, params, kernel", CASES, ids=IDS)
-def test_kernel_compiled_ahead_agrees_with_reference_bit_for_bit(method, params, kernel, monkeypatch):
-    compare_with_reference(method, params, getattr(quantize, kernel), monkeypatch)
+@pytest.mark.parametrize("method, params, names", CASES, ids=IDS)
+def test_kernels_compiled_ahead_agree_with_reference_bit_for_bit(method, params, names, monkeypatch):
+    compare_with_reference(method, params, names, monkeypatch)
 
 
 def test_the_compile_runs_in_a_child_while_exchanges_go_on(monkeypatch, tmp_path):
@@ -236,14 +240,15 @@ def test_a_callers_dispatch_mode_gets_the_reference_path(monkeypatch):
 
 
 def test_fused_kernels_cut_the_bucket_route_launches(monkeypatch):
-    """Counted on CPU: the quantisers' encoding chains are one operation each once compiled, at least 25
-    operations fewer per bucket than their reference paths dispatch."""
-    for method, params, name in CASES[::2]:
-        kernel = getattr(quantize, name)
+    """Counted on CPU: with error feedback, the quantisers' encoding and residual are one operation each
+    once compiled, at least 28 operations fewer per bucket than their reference paths dispatch."""
+    for method, params, names in CASES[::2]:
+        fused = [getattr(quantize, name) for name in names]
         counts = []
         for threshold in (1 << 40, 1):
-            monkeypatch.setattr(kernel, "min_numel", threshold)
-            exchanges(method, params, 1)
+            for kernel in fused:
+                monkeypatch.setattr(kernel, "min_numel", threshold)
+            exchanges(method, params, 2)
             kernels.settle()
             state = GradzipState(method, bucketed=True, **params)
             state.exchange(bucket(0))
@@ -251,7 +256,8 @@ def test_fused_kernels_cut_the_bucket_route_launches(monkeypatch):
             with OpCounter() as counter:
                 state.exchange(named)
             counts.append(launching_ops(counter.ops))
-        assert counts[1] <= counts[0] - 25, f"{method}: {counts[0]} launching operations, {counts[1]} fused"
+            assert all(counter.ops[f"fused:{name}"] == (threshold == 1) for name in names), counter.ops
+        assert counts[1] <= counts[0] - 28, f"{method}: {counts[0]} launching operations, {counts[1]} fused"
 
 
 def test_a_failing_compile_warns_once_and_keeps_the_reference_path(monkeypatch, tmp_path):

@@ -24,7 +24,7 @@ import torch
 from .. import kernels
 from .base import StagedContext, _stable_hash
 
-__all__ = ["BucketLayout", "BucketContext", "SizeClass", "strided_at", "pack_signs", "unpack_signs", "signed_", "bits_of",
+__all__ = ["BucketLayout", "BucketContext", "SizeClass", "strided_at", "segment_of", "pack_signs", "unpack_signs", "signed_", "bits_of",
            "plus_minus_one"]
 
 #: Most elements one block of :meth:`BucketLayout.reduce`'s first level reduces: 64 KiB of float32, so a
@@ -156,6 +156,21 @@ class BucketLayout:
         with one index (``values.index_select(0, index)``, as :meth:`per_element`)."""
         return self._index(*self._later_starts)
 
+    @functools.cached_property
+    def tensor_starts(self) -> torch.Tensor:
+        """Where every tensor after the first starts (int32, on the device; an empty one where the next
+        starts): an element's tensor is how many of these are at most its position, which a kernel finds
+        by ``segment_of`` instead of reading a bucket-sized index."""
+        return torch.tensor(self.offsets[1:], dtype=torch.int32, device=self.device)
+
+    def chunk_starts(self, size: int) -> torch.Tensor:
+        """Where every chunk of ``size`` (:meth:`chunk_offsets`) after the first starts (int32), for
+        ``segment_of``: made once per size."""
+        cached = self.__dict__.setdefault("_chunk_starts", {})
+        if size not in cached:
+            cached[size] = self.chunk_offsets(size)[1:-1].to(torch.int32)
+        return cached[size]
+
     def per_chunk(self, per_chunk: torch.Tensor, size: int, index: torch.Tensor = None) -> torch.Tensor:
         """A per-chunk quantity (chunks as :meth:`chunk_lengths`) repeated over each chunk's elements, as
         :meth:`per_element`: ``per_chunk.repeat_interleave(chunk_lengths(size))`` by an int32 index
@@ -244,6 +259,12 @@ class BucketContext(StagedContext):
         conversion to floats (four operations less, and no ties)."""
         like = torch.empty((), device=self.layout.device).expand(n)
         return kernels.counter_hashes(like, self.draw_seed(shared=shared, salt=salt))
+
+
+def segment_of(n: int, starts: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """For a kernel: each of n elements' segment (int32), the number of ``starts`` (sorted) at most its
+    position: a binary search per element, in registers on a GPU."""
+    return torch.bucketize(torch.arange(n, dtype=torch.int32, device=device), starts, out_int32=True, right=True)
 
 
 def strided_at(flat: torch.Tensor, starts: Sequence[int], shape: tuple) -> Optional[torch.Tensor]:

@@ -21,6 +21,7 @@ from .. import devices, kernels
 from ..bits import byte_table, lookup_codes, pack_bits, packed_nbytes, unpack_bits
 from .base import (AllGather, AllReduce, Compressor, Exchanged, GatheredCompressor, TensorContext, chunked_sum, compare,
                    packed_codes, workspace)
+from .bucket import segment_of
 from .registry import register
 
 
@@ -195,13 +196,23 @@ def _qsgd_encode(flat, scale, draws, *, s: int, bs: int, bits: int):
 
 
 @kernels.fused
-def _qsgd_bucket_encode(p, scale, index, seed, *, s: int, bits: int):
+def _qsgd_bucket_encode(p, scale, chunk_starts, seed, *, s: int, bits: int):
     """QSGD's packed codes of a whole bucket in one loop (:meth:`QSGD.bucket_exchange`): each element's
-    chunk scale gathered by ``index``, its uniform drawn from ``seed`` by counter."""
-    ratio = p.abs() * scale.index_select(0, index)
+    chunk scale gathered by its chunk (``segment_of`` the layout's chunk starts), its uniform drawn from
+    ``seed`` by counter."""
+    ratio = p.abs() * scale.index_select(0, segment_of(p.shape[0], chunk_starts, p.device))
     u = kernels.counter_uniforms(p, seed)
     xi = torch.floor(ratio) + (u < torch.frac(ratio)).to(ratio.dtype)
     return kernels.pack_codes(xi.to(torch.int32).clamp(0, s) * 2 + (p < 0).to(torch.int32), bits)
+
+
+@kernels.fused
+def _qsgd_bucket_residual(p, table, packed, step, chunk_starts):
+    """Error feedback's p - Q(p) of this rank's own bucket payload, written into ``p``: each code's value
+    looked up by its byte (``table``), times its chunk's ``step`` = ||v|| / s, as
+    :meth:`QSGD._bucket_decoded` and the subtraction do it."""
+    value = table.index_select(0, packed.to(torch.int32)).view(-1)[: p.shape[0]]
+    return p.sub_(value * step.index_select(0, segment_of(p.shape[0], chunk_starts, p.device)))
 
 
 @kernels.fused
@@ -412,7 +423,7 @@ class QSGD(GatheredCompressor):
         scale = torch.where(norms > 0, s / norms, 0.0)  # s / ||v|| per chunk
         packed = None
         if 8 % self._bits == 0 and _qsgd_bucket_encode.wanted(n):
-            packed = _qsgd_bucket_encode.ahead(p, scale, layout.chunk_index(self.bucket_size),
+            packed = _qsgd_bucket_encode.ahead(p, scale, layout.chunk_starts(self.bucket_size),
                                                b.kernel_seed(shared=False, salt="qsgd"), s=s, bits=self._bits)
         if packed is None:  # the kernel's reference path, one operation at a time
             ratio = p.abs().mul_(layout.per_chunk(scale, self.bucket_size))  # |v_i| s / ||v||, in [0, s]
@@ -430,7 +441,14 @@ class QSGD(GatheredCompressor):
         # |Q_i| <= ||v||: the mean is at most the sum over ranks of each one's largest norm
         bound = torch.stack([f[0].abs().amax() for f in gathered]).sum() if norms.numel() else None
         return Exchanged(total.div_(b.world_size), lambda: self._bucket_decoded((norms, packed), layout),
-                         bound=bound)
+                         bound=bound, subtract_sent=self._bucket_residual(norms, packed, layout))
+
+    def _bucket_residual(self, norms, packed, layout):
+        """subtract_sent for error feedback: p - Q(p) by one kernel compiled ahead, where it is."""
+        if 8 % self._bits or not _qsgd_bucket_residual.wanted(layout.numel):
+            return None
+        return lambda p: _qsgd_bucket_residual.ahead(p, _signed_level_bytes(self._bits, p.device), packed,
+                                                     norms.float() / self.levels, layout.chunk_starts(self.bucket_size))
 
     def _bucket_decoded(self, fields, layout, index=None) -> torch.Tensor:
         """Q of one rank's bucket payload: (sign * xi) * (||v|| / s), flat float32 (``index``: the
@@ -463,12 +481,20 @@ def _terngrad_encode(g, bound, s, draws):
 
 
 @kernels.fused
-def _terngrad_bucket_encode(g, s, index, seed):
+def _terngrad_bucket_encode(g, s, tensor_starts, seed):
     """TernGrad's packed codes t + 1 of a whole bucket's clipped ``g`` in one loop
-    (:meth:`TernGrad.bucket_exchange`): each element's scaler gathered by ``index``, its uniform drawn
-    from ``seed`` by counter."""
-    up = kernels.counter_uniforms(g, seed) < g.abs() / s.index_select(0, index)
+    (:meth:`TernGrad.bucket_exchange`): each element's scaler gathered by its tensor (``segment_of`` the
+    layout's tensor starts), its uniform drawn from ``seed`` by counter."""
+    up = kernels.counter_uniforms(g, seed) < g.abs() / s.index_select(0, segment_of(g.shape[0], tensor_starts, g.device))
     return kernels.pack_codes(((g > 0) & up).to(torch.int32) * 2 + 1 - up.to(torch.int32), 2)
+
+
+@kernels.fused
+def _terngrad_bucket_residual(p, table, packed, s, tensor_starts):
+    """Error feedback's p - s t of this rank's own bucket payload, written into ``p``: each trit looked
+    up by its byte (``table``), times its tensor's scaler, as the reference path does it."""
+    t = table.index_select(0, packed.to(torch.int32)).view(-1)[: p.shape[0]]
+    return p.sub_(t * s.index_select(0, segment_of(p.shape[0], tensor_starts, p.device)))
 
 
 @kernels.fused
@@ -617,7 +643,7 @@ class TernGrad(Compressor):
         s = s.clamp_min(torch.finfo(torch.float32).tiny)
         packed = None
         if _terngrad_bucket_encode.wanted(n):
-            packed = _terngrad_bucket_encode.ahead(g, s, layout.segment_index(), b.kernel_seed(shared=False, salt="terngrad"))
+            packed = _terngrad_bucket_encode.ahead(g, s, layout.tensor_starts, b.kernel_seed(shared=False, salt="terngrad"))
         if packed is None:  # the kernel's reference path, one operation at a time
             positive = g > 0
             # |g| / s in g's memory where g is this exchange's own (the clip's), and the spread s freed
@@ -638,9 +664,12 @@ class TernGrad(Compressor):
             total = t if total is None else total.add_(t)
         scale = layout.per_element(s)
         # N trits summed, times s: |sum| <= N max_i s_i, and the mean is at most that
+        residual = None
+        if _terngrad_bucket_residual.wanted(n):
+            residual = lambda q: _terngrad_bucket_residual.ahead(q, table, packed, s, layout.tensor_starts)  # noqa: E731
         return Exchanged(total.mul_(scale).div_(b.world_size),
                          lambda: lookup_codes(packed, table, n).mul_(scale),
-                         bound=s.abs().amax() * b.world_size)
+                         bound=s.abs().amax() * b.world_size, subtract_sent=residual)
 
     def bucket_payload_bytes(self, layout):
         return 4 * len(layout) + packed_nbytes(layout.numel, 2)
@@ -673,6 +702,12 @@ def _natural_codes(flat, u):
     e = (biased - 63).clamp_(min=0).add_(up).clamp_(max=127)
     e.bitwise_or_((bits < 0).logical_and_(e > 0).to(e.dtype).bitwise_left_shift_(7))
     return e.masked_fill_(biased == 0xFF, Natural._NONFINITE).to(torch.uint8)
+
+
+@kernels.fused
+def _natural_bucket_residual(p, values, codes):
+    """Error feedback's p - C(p) of this rank's own bucket codes, written into ``p``."""
+    return p.sub_(values.index_select(0, codes.to(torch.int32)))
 
 
 @kernels.fused
@@ -795,7 +830,11 @@ class Natural(GatheredCompressor):
         for (got,) in gathered:
             value = torch.index_select(values, 0, got.to(torch.int32))
             total = value if total is None else total.add_(value)
-        return Exchanged(total.div_(b.world_size), lambda: torch.index_select(values, 0, codes.to(torch.int32)))
+        residual = None
+        if _natural_bucket_residual.wanted(p.numel()):
+            residual = lambda q: _natural_bucket_residual.ahead(q, values, codes)  # noqa: E731
+        return Exchanged(total.div_(b.world_size), lambda: torch.index_select(values, 0, codes.to(torch.int32)),
+                         subtract_sent=residual)
 
     def bucket_payload_bytes(self, layout):
         return layout.numel
