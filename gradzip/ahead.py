@@ -4,29 +4,34 @@ The bucket route cannot wait seconds for a compile in a user's step, nor compile
 user's process: Python holds one lock for every thread's bytecode (a compile's tracing would slow the
 user's own host-bound steps), and ``torch.compiler.is_compiling()`` is true for the whole process while
 any thread compiles, which PyTorch's optimizers, DDP and a user's own code branch on.  So the first call
-for a kernel's *form* (:func:`form`: its arguments' dtypes, device and which dimensions are 0, 1 or
-equal, not their sizes) queues a job on one background thread, and the caller takes the kernel's
+for a kernel's *form* (:func:`form`: its arguments' dtypes, kind of device and which dimensions are 0, 1
+or equal, not their sizes) queues a job on a background thread, and the caller takes the kernel's
 reference path.  The job loads the kernel's package from the machine's cache (``GRADZIP_KERNEL_CACHE``,
 default ``~/.cache/gradzip/kernels``) or, where there is none, has a child process export the kernel
-with every size symbolic and compile it with AOTInductor (``torch._inductor.aoti_compile_and_package``:
-a C++ loop on CPUs, Triton on GPUs; some 15 s on a 2-core CPU), under a lock file that the ranks on one
-machine share: one compiles, the others wait for its file.  Later calls run the package.
+with every size symbolic, compile it with AOTInductor (``torch._inductor.aoti_compile_and_package``: a
+C++ loop on CPUs, Triton on GPUs; some 15 s on a 2-core CPU) and check it against the kernel's eager
+code on sizes of every residue modulo 8, under a lock (``flock``, released by the system if its holder
+dies) that the ranks on one machine share: one compiles, the others wait and load its file.  Later
+calls run the package.  A compile that fails leaves a ``.failed`` file with the reason beside the
+package's name, so no process tries it again (delete the file to retry).
 
 Packages are compiled with Inductor's eager-numerics options (no contracted multiply-adds, division and
 denormals as eager): a kernel gives its reference path's bits, so a run does not depend on when its
 compiles finished.  A package is named by a digest of the kernel, its constants, the form, the options,
-torch's version, the device's kind (a GPU's compute capability) and the source of the kernel's module,
-so a changed kernel is compiled again.
+torch's version, what it is compiled for (:func:`gradzip.devices.compile_target`: a CPU's instruction
+set, a GPU's compute capability) and every source file of gradzip, so changed code compiles again.
 
 This module sits beside :mod:`gradzip.kernels`: it imports only torch and :mod:`gradzip.devices`.
 """
 from __future__ import annotations
 
 import atexit
+import functools
 import hashlib
 import importlib
 import json
 import os
+import pathlib
 import queue
 import socket
 import subprocess
@@ -39,13 +44,11 @@ import torch
 
 from . import devices
 
-#: A lock file older than this belongs to a compile that died: the next job takes it over.
-STALE_LOCK_S = 1800
 #: The longest a child's compile may take.
 COMPILE_TIMEOUT_S = 1800
-#: Example size of the i-th distinct size of a form: odd, apart from each other and from 0 and 1, which
-#: an export would specialise.
-_EXAMPLE, _APART = 4099, 16
+#: Example sizes of a form: odd, apart from each other and from 0 and 1, which an export would
+#: specialise, in the order of the first call's sizes; the child checks the package on these plus 0..7.
+_EXAMPLE, _APART, _CHECKED = 4099, 16, 8
 
 
 def cache_dir() -> str:
@@ -54,13 +57,16 @@ def cache_dir() -> str:
 
 
 def form(args) -> Optional[tuple]:
-    """What a package compiled for ``args`` serves: per tensor its dtype, device and each dimension as 0,
-    1 or -1 - i for the i-th distinct larger size among all of them (so that it serves every size while
-    keeping which dimensions are equal); None where an argument is not a contiguous tensor."""
+    """What a package compiled for ``args`` serves: per tensor its dtype, kind of device and each
+    dimension as 0, 1 or -1 - i for the i-th distinct larger size met, in order (so that it serves
+    every size and device index while keeping which dimensions are equal, and only that); None where an
+    argument is not a contiguous tensor."""
     if not all(isinstance(a, torch.Tensor) and a.is_contiguous() for a in args):
         return None
-    sizes = {d: i for i, d in enumerate(sorted({d for a in args for d in a.shape if d > 1}))}
-    return tuple((str(a.dtype).removeprefix("torch."), str(a.device), tuple(d if d < 2 else -1 - sizes[d] for d in a.shape))
+    sizes: dict = {}
+    for d in (d for a in args for d in a.shape if d > 1):
+        sizes.setdefault(d, len(sizes))
+    return tuple((str(a.dtype).removeprefix("torch."), a.device.type, tuple(d if d < 2 else -1 - sizes[d] for d in a.shape))
                  for a in args)
 
 
@@ -80,82 +86,103 @@ class Package:
         return out[0] if isinstance(out, (list, tuple)) and len(out) == 1 else out
 
 
+@functools.lru_cache(maxsize=1)
+def _source_digest() -> bytes:
+    digest = hashlib.sha256()
+    for path in sorted(pathlib.Path(__file__).parent.rglob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.digest()
+
+
 def package_path(fn: Callable, static: dict, shapes: tuple, options: dict) -> str:
     """Where the package of kernel function ``fn`` with constants ``static`` for form ``shapes`` lives."""
-    digest = hashlib.sha256()
+    digest = hashlib.sha256(_source_digest())
     for part in (fn.__module__, fn.__name__, sorted(static.items()), shapes, sorted(options.items()), torch.__version__,
                  devices.compile_target(shapes[0][1])):
         digest.update(repr(part).encode())
-    for module in (sys.modules[fn.__module__], sys.modules[__name__], sys.modules[__package__ + ".kernels"]):
-        with open(module.__file__, "rb") as source:
-            digest.update(source.read())
     return os.path.join(cache_dir(), f"{fn.__name__}-{digest.hexdigest()[:24]}.pt2")
 
 
-def load(fn: Callable, static: dict, shapes: tuple, options: dict) -> Package:
-    """The package for ``fn``, ``static`` and form ``shapes``: from the cache, else compiled first (in a
-    child process, under the machine's lock for it)."""
-    path = package_path(fn, static, shapes, options)
-    if not os.path.exists(path):
-        _compile(path, {"module": fn.__module__, "kernel": fn.__name__, "static": static, "shapes": shapes,
-                        "options": options, "path": path})
-    with open(path + ".json") as meta:
-        mins = json.load(meta)["mins"]
-    return Package(torch._inductor.aoti_load_package(path), mins)
+def load(fn: Callable, static: dict, args_form: tuple, options: dict, device: torch.device, sizes: list) -> Package:
+    """The package for ``fn``, ``static`` and form ``args_form``, loaded for ``device``: from the cache,
+    else compiled first (in a child process, under the machine's lock for it, on ``device``, its example
+    sizes in the order of ``sizes``, the shapes of the call that asked: an index stays within what it
+    indexes)."""
+    path = package_path(fn, static, args_form, options)
+    meta = _meta(path)
+    if meta is None:
+        real = {-1 - d: n for (_, _, dims), shape in zip(args_form, sizes) for d, n in zip(dims, shape) if d < 0}
+        examples = {c: _EXAMPLE + _APART * rank for rank, c in enumerate(sorted(real, key=real.get))}
+        _compile(path, {"module": fn.__module__, "kernel": fn.__name__, "static": static, "shapes": args_form,
+                        "options": options, "path": path, "device": str(device),
+                        "examples": [examples[c] for c in range(len(examples))]})
+        meta = _meta(path)
+    if meta is None:
+        raise RuntimeError(f"no package at {path} after its compile")
+    index = torch.device(device).index
+    return Package(torch._inductor.aoti_load_package(path, device_index=-1 if index is None else index), meta["mins"])
 
 
-_CHILDREN: set = set()
-
-
-_HELD: set = set()  # lock files this process holds (removed at exit too)
+def _meta(path: str) -> Optional[dict]:
+    """The package's sidecar (its sizes' least values), or None where there is no whole package; raises
+    the reason where its compile failed."""
+    if os.path.exists(path + ".failed"):
+        with open(path + ".failed") as failed:
+            raise RuntimeError(f"{failed.read().strip()} (delete {path}.failed to try again)")
+    try:
+        with open(path + ".json") as meta:
+            found = json.load(meta)
+    except (OSError, ValueError):  # none, or one a dead compile left half written
+        return None
+    return found if os.path.exists(path) else None
 
 
 def _compile(path: str, spec: dict) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    lock = path + ".lock"
-    while not os.path.exists(path):
+    with open(path + ".lock", "a") as lock:
+        _lock(lock)  # one compiles, the others wait here; the system releases it if its holder dies
+        if _meta(path) is not None:
+            return
         try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:  # another process compiles it: wait for its file, or take a dead one's lock over
-            if _dead(lock):
-                _remove(lock)
-            time.sleep(0.2)
-            continue
-        _HELD.add(lock)
-        with os.fdopen(fd, "w") as holder:
-            holder.write(f"{socket.gethostname()} {os.getpid()}")
-        try:
-            spawn([sys.executable, "-m", __name__, json.dumps(spec)])
-        finally:
-            _remove(lock)
-            _HELD.discard(lock)
+            spawn([sys.executable, "-c", _CHILD, json.dumps(spec)])
+        except RuntimeError as exc:
+            if not exiting():  # a failure, not a child stopped because this process ends
+                with open(path + ".failed", "w") as failed:
+                    failed.write(str(exc))
+            raise
 
 
-def _dead(lock: str) -> bool:
-    """Whether the process that wrote ``lock`` is gone: on this host and not running, or its lock older than
-    :data:`STALE_LOCK_S` (another host's, on a shared file system)."""
+#: The child's program: import gradzip (as the parent did) and compile what the spec names.
+_CHILD = "import json, sys; from gradzip import ahead; ahead._main(json.loads(sys.argv[1]))"
+
+
+def _lock(file) -> None:
     try:
-        with open(lock) as holder:
-            host, pid = holder.read().split()
-    except (OSError, ValueError):  # gone, or written only in part: its holder may still be writing it
-        return time.time() - _mtime(lock) > 1
-    if host == socket.gethostname():
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            return True
-        except (OSError, ValueError):  # alive, another user's
-            return False
-        return False
-    return time.time() - _mtime(lock) > STALE_LOCK_S
+        import fcntl
+    except ImportError:  # no POSIX locks: ranks may compile the same package side by side
+        return
+    fcntl.flock(file, fcntl.LOCK_EX)
+
+
+_CHILDREN: set = set()
+_SPAWN_LOCK = threading.Lock()
 
 
 def spawn(argv: list) -> None:
-    """Run the compiling child (a test replaces this); raises with its last line of output if it fails."""
-    child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    _CHILDREN.add(child)
+    """Run the compiling child (a test replaces this); raises with its last line of output if it fails.
+    The child sees this process's import path, so it compiles the very gradzip that asked."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    with _SPAWN_LOCK:
+        if exiting():
+            raise RuntimeError("the process is exiting")
+        child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        _CHILDREN.add(child)
     try:
         output, _ = child.communicate(timeout=COMPILE_TIMEOUT_S)
+    except BaseException:  # a timeout, or this thread stopped: the child must not go on alone
+        child.kill()
+        child.communicate()
+        raise RuntimeError(f"compiling a kernel ahead took more than {COMPILE_TIMEOUT_S} s") from None
     finally:
         _CHILDREN.discard(child)
     if child.returncode:
@@ -163,31 +190,20 @@ def spawn(argv: list) -> None:
         raise RuntimeError(f"compiling a kernel ahead failed: {lines[-1] if lines else child.returncode}")
 
 
-def _mtime(path: str) -> float:
-    try:
-        return os.path.getmtime(path)
-    except OSError:
-        return time.time()
+# -- the background threads -------------------------------------------------------------------------------
 
-
-def _remove(path: str) -> None:
-    try:
-        os.remove(path)
-    except OSError:
-        pass
-
-
-# -- the background thread -------------------------------------------------------------------------------
-
-_JOBS: list = []  # the queue, made (with its thread) on first use
+_JOBS: list = []  # the queue, made (with its threads) on first use
 _EXITING = threading.Event()
+#: Jobs at once: compiles are single-threaded, so a machine with cores to spare compiles several.
+WORKERS = max(1, min(4, (os.cpu_count() or 1) // 4))
 
 
 def submit(job: Callable[[], None]) -> None:
-    """Run ``job`` on the background thread, after the ones queued before it."""
+    """Run ``job`` on a background thread, after the ones queued before it have started."""
     if not _JOBS:
         jobs: queue.Queue = queue.Queue()
-        threading.Thread(target=_work, args=(jobs,), name="gradzip-ahead", daemon=True).start()
+        for _ in range(WORKERS):
+            threading.Thread(target=_work, args=(jobs,), name="gradzip-ahead", daemon=True).start()
         _JOBS.append(jobs)
     _JOBS[0].put(job)
 
@@ -196,8 +212,10 @@ def _work(jobs: queue.Queue) -> None:
     while True:
         job = jobs.get()
         try:
-            if not _EXITING.is_set():
+            if not exiting():
                 job()
+        except BaseException:  # noqa: BLE001 - a job reports its own failures; nothing may end the thread
+            pass
         finally:
             jobs.task_done()
 
@@ -207,25 +225,34 @@ def exiting() -> bool:
     return _EXITING.is_set()
 
 
-def settle() -> None:
-    """Wait until every job queued so far has finished."""
-    if _JOBS:
-        _JOBS[0].join()
+def settle(timeout: Optional[float] = None) -> bool:
+    """Wait until every job queued so far has finished (at most ``timeout`` seconds); whether they have."""
+    if not _JOBS:
+        return True
+    jobs = _JOBS[0]
+    end = None if timeout is None else time.monotonic() + timeout
+    with jobs.all_tasks_done:
+        while jobs.unfinished_tasks:
+            left = None if end is None else end - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            jobs.all_tasks_done.wait(left)
+    return True
 
 
 @atexit.register
 def _exit() -> None:  # a queued job is not started, a running child is stopped: the process does not wait
-    _EXITING.set()
-    for child in list(_CHILDREN):
-        child.kill()
-    for lock in list(_HELD):
-        _remove(lock)
+    with _SPAWN_LOCK:
+        _EXITING.set()
+        for child in list(_CHILDREN):
+            child.kill()
 
 
-def _forked() -> None:  # a forked copy (a data loader's worker) owns neither the parent's children nor its locks
+def _forked() -> None:  # a forked copy (a data loader's worker) owns neither its parent's children nor threads
+    global _SPAWN_LOCK
+    _SPAWN_LOCK = threading.Lock()
     _CHILDREN.clear()
-    _HELD.clear()
-    _JOBS.clear()  # nor its thread: a job of the copy's own starts one
+    _JOBS.clear()  # a job of the copy's own starts threads of its own
 
 
 if hasattr(os, "register_at_fork"):
@@ -236,34 +263,102 @@ if hasattr(os, "register_at_fork"):
 
 
 def _main(spec: dict) -> None:
-    """Export the kernel ``spec`` names on zero tensors of its form, every larger size symbolic, and
-    compile it into ``spec["path"]`` (written whole or not at all), its sizes' least values beside it."""
+    """Export the kernel ``spec`` names on zero tensors of its form (on ``spec["device"]``), every larger
+    size symbolic, compile it, check it against the kernel's eager code, and only then put it at
+    ``spec["path"]``, its sidecar first (each written whole under a name of its own, then renamed)."""
+    _die_with_parent()
     kernel = getattr(importlib.import_module(spec["module"]), spec["kernel"])
-    fn, static = kernel.fn, spec["static"]
-    args = tuple(torch.zeros([d if d >= 0 else _EXAMPLE + _APART * (-1 - d) for d in dims],
-                             dtype=getattr(torch, dtype), device=device) for dtype, device, dims in spec["shapes"])
-    dynamic = tuple({i: torch.export.Dim.AUTO for i, d in enumerate(dims) if d < 0} or None
-                    for _, _, dims in spec["shapes"])
+    fn, static, shapes = kernel.fn, spec["static"], spec["shapes"]
+    assert package_path(fn, static, _as_form(shapes), spec["options"]) == spec["path"], "another gradzip"
 
     class Wrapped(torch.nn.Module):
         def forward(self, *tensors):
             return fn(*tensors, **static)
 
-    exported = torch.export.export(Wrapped(), args, dynamic_shapes=(dynamic,), strict=False)
+    dynamic = tuple({i: torch.export.Dim.AUTO for i, d in enumerate(dims) if d < 0} or None for _, _, dims in shapes)
+    exported = torch.export.export(Wrapped(), _examples(spec, 0, zeros=True), dynamic_shapes=(dynamic,), strict=False)
+    mins = _least_sizes(exported, shapes, spec["kernel"])
+    part = f"{spec['path'].removesuffix('.pt2')}.{socket.gethostname()}.{os.getpid()}"
+    torch._inductor.aoti_compile_and_package(exported, package_path=part + ".pt2", inductor_configs=spec["options"])
+    package = Package(torch._inductor.aoti_load_package(part + ".pt2", device_index=_index(spec["device"])), mins)
+    for extra in range(_CHECKED):  # every residue mod 8 of every size: export keeps guards the package drops
+        args = _examples(spec, extra, zeros=False)
+        if package.fits(args):
+            _check(package, fn, static, args, spec["kernel"])
+    with open(part + ".json", "w") as meta:
+        json.dump({"mins": mins, "kernel": spec["kernel"], "static": static, "shapes": shapes}, meta)
+        meta.flush()
+        os.fsync(meta.fileno())
+    os.replace(part + ".json", spec["path"] + ".json")
+    os.replace(part + ".pt2", spec["path"])
+
+
+def _as_form(shapes: list) -> tuple:
+    return tuple((dtype, kind, tuple(dims)) for dtype, kind, dims in shapes)
+
+
+def _index(device: str) -> int:
+    index = torch.device(device).index
+    return -1 if index is None else index
+
+
+def _examples(spec: dict, extra: int, zeros: bool) -> tuple:
+    """Tensors of the form, each larger size its example plus ``extra``: zeros, or random floats (integer
+    arguments, indices and seeds, stay 0: in range for any gather)."""
+    gen = torch.Generator().manual_seed(extra)
+    out = []
+    for dtype, _, dims in spec["shapes"]:
+        shape = [d if d >= 0 else spec["examples"][-1 - d] + extra for d in dims]
+        t = torch.zeros(shape, dtype=getattr(torch, dtype))
+        if not zeros and t.is_floating_point():
+            t = torch.randn(shape, generator=gen).to(t.dtype)
+        out.append(t.to(spec["device"]))
+    return tuple(out)
+
+
+def _least_sizes(exported, shapes: list, name: str) -> list:
+    """Each input dimension's least size the export allowed (its fixed size where not symbolic)."""
+    inputs = exported.graph_signature.user_inputs
+    nodes = {n.name: n for n in exported.graph.nodes if n.op == "placeholder"}
     mins = []
-    for (_, _, dims), node in zip(spec["shapes"], [n for n in exported.graph.nodes if n.op == "placeholder"]):
+    for (_, _, dims), input_name in zip(shapes, inputs):
         low = []
-        for d, size in zip(dims, node.meta["val"].shape):
+        for d, size in zip(dims, nodes[input_name].meta["val"].shape):
             if d < 0 and not isinstance(size, torch.SymInt):  # the code fixed a size: no package serves all
-                raise RuntimeError(f"{spec['kernel']} specialises a size to {size}")
+                raise RuntimeError(f"{name} specialises a size to {size}")
             low.append(int(exported.range_constraints[size.node.expr].lower) if d < 0 else d)
         mins.append(low)
-    part = spec["path"].removesuffix(".pt2") + f".{os.getpid()}.part.pt2"
-    torch._inductor.aoti_compile_and_package(exported, package_path=part, inductor_configs=spec["options"])
-    with open(spec["path"] + ".json", "w") as meta:
-        json.dump({"mins": mins, "kernel": spec["kernel"], "static": static, "shapes": spec["shapes"]}, meta)
-    os.replace(part, spec["path"])
+    return mins
 
 
-if __name__ == "__main__":
-    _main(json.loads(sys.argv[1]))
+def _check(package: Package, fn: Callable, static: dict, args: tuple, name: str) -> None:
+    """The package's result and writes equal the eager code's, bit for bit (NaN where NaN)."""
+    mine = tuple(a.clone() for a in args)
+    got = package(*mine)
+    want = fn(*args, **static)
+    for a, b in [(got, want), *zip(mine, args)]:
+        if not _same_bits(a, b):
+            raise RuntimeError(f"{name}'s compiled package differs from its eager code at sizes "
+                               f"{[tuple(t.shape) for t in args]}")
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if not a.is_floating_point():
+        return torch.equal(a, b)
+    nan = torch.isnan(a)
+    return (torch.equal(nan, torch.isnan(b)) and torch.equal(a[~nan], b[~nan])
+            and torch.equal(torch.signbit(a[~nan]), torch.signbit(b[~nan])))
+
+
+def _die_with_parent() -> None:
+    """End this child when the process that asked for it is gone (killed, so no atexit ran there)."""
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1)
+        os._exit(1)
+    threading.Thread(target=watch, daemon=True).start()
+

@@ -15,7 +15,7 @@ from typing import Union
 
 import torch
 
-__all__ = ["cuda", "host_memory", "reuses_buffers", "prefilters_selection", "draws_in_kernel", "decodes_by_table",
+__all__ = ["cuda", "runs_kernels_ahead", "host_memory", "reuses_buffers", "prefilters_selection", "draws_in_kernel", "decodes_by_table",
            "packs_from_bytes", "sorts_subset_draws", "looks_up_rows_at_once", "selects_by_bits", "reads_freely", "outer_by_products", "fuses_momentum"]
 
 Where = Union[torch.Tensor, torch.device, str]
@@ -32,12 +32,21 @@ def cuda(where: Where) -> bool:
 
 
 def compile_target(where: Where) -> str:
-    """What a kernel compiled ahead is compiled for (part of its cached file's name): the machine's kind of
-    CPU, or the GPU's compute capability and CUDA version."""
+    """What a kernel compiled ahead is compiled for (part of its cached file's name): the CPU's
+    architecture and vector instruction set, or the GPU's compute capability and CUDA version."""
     if _type(where) == "cuda":
         major, minor = torch.cuda.get_device_capability(torch.device(where))
         return f"cuda-sm{major}{minor}-{torch.version.cuda}"
-    return f"{_type(where)}-{platform.machine()}"
+    from torch._inductor import cpu_vec_isa  # the vector instructions its loops use: another CPU may lack them
+    return f"{_type(where)}-{platform.machine()}-{cpu_vec_isa.pick_vec_isa()}"
+
+
+def runs_kernels_ahead(where: Where) -> bool:
+    """Whether the bucket route runs kernels compiled ahead (:mod:`gradzip.ahead`): on a GPU a package's
+    runner only launches its kernels; on a CPU it runs their loops holding Python's lock (98 ms for 2^25
+    elements), which would stall the training thread's Python while gradzip's thread exchanges, where
+    eager operations release it (the CPU default is the per-tensor route, with kernels of its own)."""
+    return _type(where) == "cuda"
 
 
 def host_memory(where: Where) -> bool:

@@ -24,6 +24,7 @@ This module sits beside :mod:`gradzip.bits`: it imports only torch.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 import threading
@@ -34,7 +35,7 @@ from typing import Callable, Optional
 import torch
 from torch.utils import _python_dispatch
 
-from . import ahead
+from . import ahead, devices
 
 __all__ = ["MIN_NUMEL", "LARGE_NUMEL", "UNROLL_RANKS", "KERNELS", "Kernel", "fused", "enabled", "enabled_over_ranks",
            "settle",
@@ -117,10 +118,14 @@ def enabled_over_ranks(numel: int, world: int) -> bool:
     return world <= UNROLL_RANKS and enabled(numel)
 
 
+def _reason(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:300]
+
+
 def _disable(exc: BaseException) -> None:
     global _failure
-    lines = str(exc).strip().splitlines()
-    _failure = f"{type(exc).__name__}: {lines[0] if lines else ''}"[:200]
+    _failure = _reason(exc)[:200]
     warnings.warn(f"gradzip: fused kernels are off for this process, using the reference path ({_failure})",
                   RuntimeWarning, stacklevel=3)
 
@@ -142,7 +147,8 @@ class Kernel:
         self.min_numel = min_numel
         self.__name__ = getattr(fn, "__name__", "kernel")
         self._compiled: dict = {}
-        self._ahead: dict = {}  # signature -> compiled function, or _PENDING while queued
+        self._ahead: dict = {}  # (constants, form) -> its ahead.Package, or _PENDING while queued
+        self.failed_ahead: Optional[str] = None  # why this kernel's compile ahead failed
         KERNELS.append(self)
 
     def __call__(self, *args, **static):
@@ -172,28 +178,32 @@ class Kernel:
     def wanted(self, numel: int) -> bool:
         """Whether :meth:`ahead` would take (or queue) the kernel for a largest argument of ``numel``
         elements: at least ``min_numel``, kernels neither failed nor switched off."""
-        return numel >= self.min_numel and _failure is None and os.environ.get("GRADZIP_FUSED", "1") != "0"
+        return (numel >= self.min_numel and _failure is None and self.failed_ahead is None
+                and os.environ.get("GRADZIP_FUSED", "1") != "0")
 
     def ahead(self, *args, **static):
         """The kernel's result where it has been compiled ahead (:mod:`gradzip.ahead`) for the form of
-        ``args`` (contiguous tensors: their dtypes, device and which dimensions are 0, 1 or equal);
-        else None, the caller taking its reference path, and the first such call queues the package's
-        loading (or compiling, in a child process) on a background thread.  No compile lands in the
-        caller's step or process.  None too under ``min_numel`` and once kernels failed."""
+        ``args`` (contiguous tensors: their dtypes, kind of device and which dimensions are 0, 1 or
+        equal); else None, the caller taking its reference path, and the first such call queues the
+        package's loading (or compiling, in a child process) on a background thread.  No compile lands
+        in the caller's step or process.  None too under ``min_numel``, where the device's form says
+        kernels compiled ahead do not pay (:func:`gradzip.devices.runs_kernels_ahead`), and once this
+        kernel's compile failed."""
         if not self.wanted(max(a.numel() for a in args if isinstance(a, torch.Tensor))):
             return None
         modes = _python_dispatch._get_current_dispatch_mode_stack()
         if not all(getattr(mode, "sees_fused_kernels", False) for mode in modes):
             return None  # a dispatch mode of the caller's would see none of the kernel's work: its reference path
         shapes = ahead.form(args)
-        if shapes is None:
+        if shapes is None or not devices.runs_kernels_ahead(args[0]):
             return None
-        key = (tuple(sorted(static.items())), shapes)
+        key = (tuple(sorted(static.items())), shapes, args[0].device)  # a package is loaded for one device
         with _AHEAD_LOCK:
             package = self._ahead.get(key)
             if package is None:
                 self._ahead[key] = _PENDING
-                ahead.submit(lambda: self._load_ahead(key, static, shapes))
+                ahead.submit(functools.partial(self._load_ahead, key, static, shapes, args[0].device,
+                                               [tuple(a.shape) for a in args]))
         if package is None or package is _PENDING or not package.fits(args):
             return None
         try:
@@ -202,34 +212,55 @@ class Kernel:
             with _python_dispatch._disable_current_modes():  # a compiled kernel shows a mode no operation
                 result = package(*args)
         except Exception as exc:  # noqa: BLE001 - as in run: the reference path from now on
-            _disable(exc)
+            self._ahead_failed(exc)
             return None
         for mode in modes:  # a counter that knows kernels (gradzip.testing's) is told of this one
             mode.saw_fused_kernel(self.__name__, result)
         return result
 
-    def _load_ahead(self, key, static, shapes) -> None:
-        """The background thread's job: load (or compile, then load) the package for ``key``."""
-        if _failure is not None:
-            return
+    def _load_ahead(self, key, static, shapes, device, sizes) -> None:
+        """A background thread's job: load (or compile, then load) the package for ``key``."""
         try:
-            package = ahead.load(self.fn, static, shapes, _eager_numerics())
-        except Exception as exc:  # noqa: BLE001 - any compiler failure: the reference path for good
+            package = ahead.load(self.fn, static, shapes, _eager_numerics(), device, sizes)
+        except Exception as exc:  # noqa: BLE001 - any compiler failure: this kernel's reference path for good
             if not ahead.exiting():
-                _disable(exc)
+                self._ahead_failed(exc)
             return
         with _AHEAD_LOCK:
             self._ahead[key] = package
 
+    def _ahead_failed(self, exc: BaseException) -> None:
+        """This kernel takes its reference path from now on; the first such failure in the process warns."""
+        global _AHEAD_WARNED
+        self.failed_ahead = _reason(exc)
+        if not _AHEAD_WARNED:
+            _AHEAD_WARNED = True
+            warnings.warn(f"gradzip: a fused kernel compiled ahead is off for this process, using its reference "
+                          f"path ({self.__name__}: {self.failed_ahead})", RuntimeWarning, stacklevel=2)
+
 
 _PENDING = object()
 _AHEAD_LOCK = threading.Lock()
+_AHEAD_WARNED = False
 
 
-def settle() -> None:
-    """Wait until every kernel queued by :meth:`Kernel.ahead` is loaded (or compiled, or failed): tests;
-    benchmarks, before their timed steps."""
-    ahead.settle()
+def _forked() -> None:
+    """In a forked copy: a fresh lock (the parent's may have been held), and no kernel waiting for a job
+    that only the parent's threads would have run."""
+    global _AHEAD_LOCK
+    _AHEAD_LOCK = threading.Lock()
+    for kernel in KERNELS:
+        kernel._ahead = {key: package for key, package in kernel._ahead.items() if package is not _PENDING}
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
+
+
+def settle(timeout: Optional[float] = None) -> bool:
+    """Wait until every kernel queued by :meth:`Kernel.ahead` is loaded (or compiled, or failed), at most
+    ``timeout`` seconds; whether they are: tests; benchmarks, before their timed steps."""
+    return ahead.settle(timeout)
 
 
 def _eager_numerics() -> dict:
@@ -237,7 +268,9 @@ def _eager_numerics() -> dict:
     division correctly rounded, denormals kept, PyTorch's libdevice; those this torch knows."""
     from torch._inductor import config
     wanted = {"emulate_precision_casts": True, "eager_numerics.division_rounding": True,
-              "eager_numerics.disable_ftz": True, "eager_numerics.use_pytorch_libdevice": True}
+              "eager_numerics.disable_ftz": True, "eager_numerics.use_pytorch_libdevice": True,
+              # a C++ compiler's defaults, pinned against the environment variables that change them
+              "cpp.enable_floating_point_contract_flag": "off", "cpp.enable_unsafe_math_opt_flag": False}
     known = {}
     for name, value in wanted.items():
         owner, *rest = name.split(".")

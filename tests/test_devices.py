@@ -37,7 +37,7 @@ def test_the_pattern_finds_what_it_should():  # the check above cannot pass by m
 
 
 #: Predicates that say where a GPU's form is taken (the others say where a CPU's is).
-GPU_FORMS = {"cuda", "looks_up_rows_at_once"}
+GPU_FORMS = {"cuda", "looks_up_rows_at_once", "runs_kernels_ahead"}
 
 
 @pytest.mark.parametrize("name", [n for n in devices.__all__ if n not in GPU_FORMS])
@@ -116,4 +116,7 @@ def test_the_bucket_route_in_the_gpus_forms_equals_the_cpus(name, params, shapes
 def test_a_kernel_compiled_ahead_is_named_for_its_machine():
     """Not a predicate: what a package in the kernel cache was compiled for (a CPU's kind here)."""
     import platform
-    assert devices.compile_target(torch.zeros(1)) == devices.compile_target("cpu") == f"cpu-{platform.machine()}"
+
+    from torch._inductor import cpu_vec_isa
+    target = f"cpu-{platform.machine()}-{cpu_vec_isa.pick_vec_isa()}"
+    assert devices.compile_target(torch.zeros(1)) == devices.compile_target("cpu") == target
