@@ -45,3 +45,30 @@ def test_with_and_without_kernels(kernels_plan, method):
 
 def test_launches_exit_cleanly(kernels_plan):
     kernels_plan.assert_exit_codes()
+
+
+#: Methods whose bucket route has kernels compiled ahead, with error feedback (encoding and residual).
+AHEAD = {"qsgd": ("_qsgd_bucket_encode", "_qsgd_bucket_residual")}
+
+
+@pytest.fixture(scope="session")
+def ahead_plan(chars, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ahead")
+    runs = [{"name": f"{feature}/{method}", "method": method, "params": {**params(method), "feedback": "residual"},
+             "feature": feature, "deadline": 300}
+            for method in AHEAD for feature in ("ahead", "eager")]
+    return Plan("gpt_ddp.py", runs, folder, timeout=600, budget=600).execute()
+
+
+@pytest.mark.parametrize("method", list(AHEAD))
+def test_kernels_compiled_ahead_in_a_users_job(ahead_plan, method):
+    """The bucket route with its kernels compiled ahead (both ranks asking at once: one compiles, the other
+    waits for its package) against the same job without kernels: both train, ranks bit-identical, and the
+    same final parameters bit for bit, the kernels having run on every rank."""
+    ahead, eager = ahead_plan.result(f"ahead/{method}"), ahead_plan.result(f"eager/{method}")
+    for result in (ahead, eager):
+        check_gpt_run(result, method)
+    for rep in ahead.reports:
+        assert all(rep["ahead_runs"].get(name) for name in AHEAD[method]), rep["ahead_runs"]
+    ahead.assert_same_params(eager)
+    ahead_plan.assert_exit_codes()

@@ -19,6 +19,9 @@ a method that applies momentum itself, DGC, as gradzip asks):
     fused        the plain loop, with gradzip's fused kernels on every tensor of at least 1024 elements
                  (their defaults are 2^20 and 2^24, far above this model's tensors)
     unfused      the plain loop, with the fused kernels off (GRADZIP_FUSED=0)
+    ahead        the plain loop on the bucket route, its kernels compiled ahead (in a child process, the
+                 first exchange of each waiting for it) on every bucket
+    eager        the plain loop on the bucket route, with the fused kernels off
     checkpoint   the plain loop; after epoch 0 it saves model, optimizer and gradzip state to
                  ``save``/rank<r>.pt; given ``resume`` instead, it loads them and trains epoch 1 only
 """
@@ -51,6 +54,14 @@ def train(method, params, feature, device, save=None, resume=None, **_):
         with scenarios.kernels_from(1024, on=feature == "fused") as launches:
             model, report = train(method, params, "plain", device)
         return model, {**report, "kernel_launches": launches}
+    if feature in ("ahead", "eager"):
+        params = {**params, "bucketed": True}
+        if feature == "eager":
+            with scenarios.kernels_from(1, on=False):
+                return train(method, params, "plain", device)
+        with scenarios.kernels_ahead() as runs:
+            model, report = train(method, params, "plain", device)
+        return model, {**report, "ahead_runs": runs}
     rank = dist.get_rank()
     train_set, held_out, info = data(dist.get_world_size(), device)
     model = new_model(info)
