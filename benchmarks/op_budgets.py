@@ -9,6 +9,11 @@ inside the exchange, and the host reads among them: what would wait for a GPU).
     python benchmarks/op_budgets.py [--methods topk,qsgd]
     python benchmarks/op_budgets.py --gpt 1024x8 --routes bucket   # per bucket of the GPU bench's model
 
+``--ahead`` counts the bucket route as a GPU runs it once its kernels are compiled ahead (a GPU's form
+of ``devices.runs_kernels_ahead``, every kernel's threshold lowered to one element, the packages waited
+for before the counted step: a compile, tens of seconds, for each one the cache lacks; a kernel counts as
+one operation).
+
 ``--gpt WIDTHxDEPTH`` instead counts one step of ``gradzip bench step``'s GPT (context 256, vocabulary
 8192, 16 heads) in DDP's 25 MB buckets, as the GPU table's launches are counted: launching operations
 per bucket (mean and largest over the step's buckets).
@@ -30,6 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import gradzip
+from gradzip import devices, kernels
 from gradzip.bench.kernels import BENCH_PARAMS
 from gradzip.harness.data import DatasetInfo
 from gradzip.harness.models import GPT
@@ -37,6 +43,7 @@ from gradzip.testing import count_exchanges, launching_ops as launching
 
 INFO = DatasetInfo("budget", (16,), 64, "language_model")
 DEPTHS = (2, 8)
+AHEAD = False  # --ahead
 #: auto settles on Top-k at once: its own exchange, not its trials, is counted.
 PARAMS = {**BENCH_PARAMS, "auto": {"candidates": "topk:ratio=0.01", "warmup": 0, "trials": 1, "verify": 0}}
 
@@ -62,6 +69,10 @@ def count(method: str, depth: int, bucketed: bool, width: int = 32, info: Datase
     try:
         for _ in range(4 if method == "auto" else 2):  # auto: explore, decide, then its choice's route
             step()
+        for _ in range(2):  # a kernel queued at a step runs at the next (a residual's: from the second)
+            if AHEAD:
+                kernels.settle()
+                step()
         with count_exchanges(state) as counts:
             step()
         return len(list(model.parameters())), counts.ops, counts.host_reads, launching(counts.by_op()), counts
@@ -75,7 +86,14 @@ def main() -> None:
     parser.add_argument("--routes", default="tensor,bucket", help="tensor, bucket or both (default)")
     parser.add_argument("--gpt", default=None, metavar="WIDTHxDEPTH",
                         help="count per DDP bucket of bench step's GPT of this width and depth instead")
+    parser.add_argument("--ahead", action="store_true", help="with the bucket route's kernels compiled ahead")
     args = parser.parse_args()
+    if args.ahead:
+        global AHEAD
+        AHEAD = True
+        devices.runs_kernels_ahead = lambda where: True
+        for kernel in kernels.KERNELS:
+            kernel.min_numel = 1
     routes = [route == "bucket" for route in args.routes.split(",")]
     store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
