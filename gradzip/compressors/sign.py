@@ -29,7 +29,7 @@ import torch
 
 from .. import devices, kernels
 from ..bits import pack_bits, packed_nbytes, select, unpack_bits
-from .bucket import SizeClass, bits_of, pack_signs, signed_, unpack_signs
+from .bucket import SizeClass, bits_of, pack_signs, segment_of, signed_, unpack_signs
 from .base import (AllGather, Exchanged, GatheredCompressor, TensorContext, chunked_sum, column_counts, compare,
                    packed_codes, times_scale, workspace)
 from .registry import register
@@ -300,6 +300,37 @@ def _scaled_signs(scales: torch.Tensor, packed: torch.Tensor, index: torch.Tenso
     return signed_(scales.index_select(0, index), packed)
 
 
+@kernels.fused
+def _bucket_sign_bits(x):
+    """:func:`pack_signs` of a whole bucket in one loop: bit 1 for x >= 0, little-endian in each byte."""
+    return kernels.pack_codes((x >= 0).to(torch.int32), 1)
+
+
+def _bucket_signs(x: torch.Tensor) -> torch.Tensor:
+    """The bucket's sign bits: by a kernel compiled ahead where there is one, else :func:`pack_signs`."""
+    packed = _bucket_sign_bits.ahead(x) if _bucket_sign_bits.wanted(x.numel()) else None
+    return pack_signs(x) if packed is None else packed
+
+
+@kernels.fused
+def _ef_bucket_residual(p, scales, tensor_starts):
+    """EF-signSGD's error feedback over a whole bucket, into ``p``: p - s_i sign(p) with s_i its tensor's
+    scale and sign(p) = +1 where p >= 0 (as the bits sent say), as :func:`_scaled_signs` and the
+    subtraction do it."""
+    signs = torch.where(p >= 0, 1.0, -1.0)
+    return p.sub_(scales.index_select(0, segment_of(p.shape[0], tensor_starts, p.device)) * signs)
+
+
+@kernels.fused
+def _bucket_trits(x):
+    """:func:`encode_trits` of a whole bucket in one loop (sign + 1 in base 3, five planes a byte)."""
+    n = x.shape[0]
+    m = (n + TRITS_PER_BYTE - 1) // TRITS_PER_BYTE
+    codes = torch.nn.functional.pad((torch.sign(x) + 1).to(torch.int32), (0, TRITS_PER_BYTE * m - n))
+    powers = torch.tensor([3**j for j in range(TRITS_PER_BYTE)], dtype=torch.int32, device=x.device)
+    return (codes.view(TRITS_PER_BYTE, m) * powers.view(-1, 1)).sum(0).to(torch.uint8)
+
+
 def _bits_bytes(ctx: TensorContext) -> int:
     return packed_nbytes(ctx.shape.numel(), 1)
 
@@ -414,7 +445,7 @@ class OneBit(GatheredCompressor):
         # every group's means by one division: a's of every group, then b's
         means = torch.cat(sums[0] + sums[1]).div_(torch.cat(counts[0] + counts[1]).clamp_(min=1)) if groups \
             else p.new_empty(0)  # a bucket of empty tensors
-        gathered = yield AllGather((means, pack_signs(p)))
+        gathered = yield AllGather((means, _bucket_signs(p)))
 
         at = plan.column_index().mul_(2).add_(1)  # 2 j + 1 for an element of column j
 
@@ -594,7 +625,11 @@ class _SignVote(GatheredCompressor):
         the bucket's n, plus 4 bytes per tensor if ``scaled``."""
         layout, n = b.layout, b.layout.numel
         y = self.bucket_signs_of(p, b)
-        codes = encode_trits(y) if self.ternary else pack_signs(y)
+        codes = None
+        if self.ternary and _bucket_trits.wanted(n):
+            codes = _bucket_trits.ahead(y)
+        if codes is None:
+            codes = encode_trits(y) if self.ternary else _bucket_signs(y)
         scales = layout.segment_mean(y.abs()) if self.scaled else None
         gathered = yield AllGather((codes,) if scales is None else (scales, codes))
         if scales is not None:  # spread over the elements before the vote exists: one bucket copy less at once
@@ -791,14 +826,18 @@ class EFSignSGD(GatheredCompressor):
         whole bucket packed together.  Wire: 4 bytes per tensor + ceil(n / 8) for the bucket's n."""
         layout = b.layout
         scales = layout.segment_mean(p.abs())
-        gathered = yield AllGather((scales, pack_signs(p)))
+        gathered = yield AllGather((scales, _bucket_signs(p)))
         total, index = None, layout.segment_index()  # one index spreads every rank's scales
         for scale, packed in gathered:  # rank order, as exchange() sums the ranks' deltas
             delta = _scaled_signs(scale, packed, index)
             total = delta if total is None else total.add_(delta)
         own = gathered[b.rank]
         bound = torch.stack([scale.abs().amax() if scale.numel() else scale.new_zeros(()) for scale, _ in gathered]).sum()
-        return Exchanged(total.div_(b.world_size), lambda: _scaled_signs(*own, index), bound=bound)
+        residual = None
+        if _ef_bucket_residual.wanted(layout.numel):
+            residual = lambda q: _ef_bucket_residual.ahead(q, own[0], layout.tensor_starts)  # noqa: E731
+        return Exchanged(total.div_(b.world_size), lambda: _scaled_signs(*own, index), bound=bound,
+                         subtract_sent=residual)
 
     def bucket_payload_bytes(self, layout):
         return 4 * len(layout) + packed_nbytes(layout.numel, 1)
