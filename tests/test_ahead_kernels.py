@@ -31,7 +31,6 @@ quantize = sys.modules["gradzip.compressors.quantize"]
 #: (method, parameters, the kernels its bucket route takes ahead: encoding, then error feedback's residual)
 CASES = [
     ("qsgd", {"feedback": "residual"}, ("_qsgd_bucket_encode", "_qsgd_bucket_residual")),
-    ("qsgd", {"levels": 7}, ("_qsgd_bucket_encode",)),
     ("terngrad", {"feedback": "residual"}, ("_terngrad_bucket_encode", "_terngrad_bucket_residual")),
     ("terngrad", {"clip": None}, ("_terngrad_bucket_encode",)),
     ("natural", {"feedback": "residual"}, ("_natural_encode", "_natural_bucket_residual")),
