@@ -194,8 +194,9 @@ def spawn(argv: list) -> None:
 
 _JOBS: list = []  # the queue, made (with its threads) on first use
 _EXITING = threading.Event()
-#: Jobs at once: compiles are single-threaded, so a machine with cores to spare compiles several.
-WORKERS = max(1, min(4, (os.cpu_count() or 1) // 4))
+#: Jobs at once: a compile is mostly one C++ or Triton compiler process, and a kernel's encoding and
+#: residual are asked for together.
+WORKERS = max(2, min(4, (os.cpu_count() or 1) // 4))
 
 
 def submit(job: Callable[[], None]) -> None:

@@ -19,7 +19,8 @@ bit for bit (random draws come in as tensors, from the same private generators).
 - If compiling or running a kernel fails (no C++ compiler, an Inductor error), gradzip warns once with
   the cause and uses the reference path for the rest of the process.
 
-This module sits beside :mod:`gradzip.bits`: it imports only torch.
+This module sits beside :mod:`gradzip.bits`: it imports only torch, :mod:`gradzip.ahead` and
+:mod:`gradzip.devices`.
 """
 from __future__ import annotations
 
@@ -174,10 +175,10 @@ class Kernel:
             _disable(exc)
             return None
 
-
     def wanted(self, numel: int) -> bool:
         """Whether :meth:`ahead` would take (or queue) the kernel for a largest argument of ``numel``
-        elements: at least ``min_numel``, kernels neither failed nor switched off."""
+        elements: at least ``min_numel``, neither kernels nor this kernel's compile ahead failed, and
+        kernels not switched off."""
         return (numel >= self.min_numel and _failure is None and self.failed_ahead is None
                 and os.environ.get("GRADZIP_FUSED", "1") != "0")
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU checks in one run (about 6 minutes on an H100), from the repository root:
+# The GPU checks in one run (about 6 minutes on an H100; more while the cache of kernels compiled ahead
+# is cold), from the repository root:
 #   PYTHONPATH=. bash scripts/gpu_check.sh
 # Needs torch with CUDA, typer, rich and pytest (installs nothing).  Every step's output also goes to
 # $OUT_DIR: step.json/step.log (gradzip bench step), gpu_tests.log, kernels.json/kernels.log; optional
@@ -13,7 +14,7 @@ OUT_DIR=${OUT:-/tmp/gradzip_gpu}
 GPU_TESTS=${GPU_TESTS:-"sync_debug or bucket"}
 PYTHON=${PYTHON:-python}
 STEP_ARGS=${STEP_ARGS:-"--steps 15 --warmup 2 --profile-steps 1"}  # more options for bench step
-STEP_TIMEOUT=${STEP_TIMEOUT:-270}
+STEP_TIMEOUT=${STEP_TIMEOUT:-420}  # a method whose kernels compile ahead waits for them (tens of seconds each, once)
 TESTS_TIMEOUT=${TESTS_TIMEOUT:-180}  # the kernels compiled ahead that the benchmarks did not need compile here
 ISSUE_METHODS=${ISSUE_METHODS:-}  # e.g. topk,qsgd: bench step again with GRADZIP_ISSUE=inline (thread vs hook)
 MEMORY_METHODS=${MEMORY_METHODS:-}  # e.g. sketch: what is alive at each one's memory peak (and DDP's), by line
