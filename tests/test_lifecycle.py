@@ -140,7 +140,9 @@ def _early_state_worker(rank, world, path):
     DDP wrapper: the keys it learns are the same, so training continues as if uninterrupted."""
     dist.destroy_process_group()
     state = gradzip.GradzipState("topk", ratio=0.25)  # no process group yet
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # A store of its own: a rank re-joining at the launcher's address could reach the other rank's old
+    # store while that rank is still tearing it down ("Failed to recv, got 0 bytes").
+    dist.init_process_group("gloo", store=dist.FileStore(f"{path}.store", world), rank=rank, world_size=world)
     ddp = nn.parallel.DistributedDataParallel(_model())
     ddp.register_comm_hook(state, gradzip.ddp_comm_hook)
     _train(ddp, steps=2)
