@@ -140,12 +140,15 @@ class Kernel:
     index arithmetic such as ``i // bucket_size`` and bit shifts vectorisable; ``dynamic=True`` would
     make them symbolic too, and the loops scalar.  Returns the result, or None for tensors under
     ``min_numel`` or once fused kernels have failed in this process: the caller then takes its
-    reference path.
+    reference path.  ``ordered``: its results are its eager code's bit for bit; a kernel that sums into
+    shared slots (a scatter: atomic adds, in no fixed order) is not, and its compiled package is checked
+    against the eager code at float tolerance instead.
     """
 
-    def __init__(self, fn: Callable, min_numel: int = MIN_NUMEL):
+    def __init__(self, fn: Callable, min_numel: int = MIN_NUMEL, ordered: bool = True):
         self.fn = fn
         self.min_numel = min_numel
+        self.ordered = ordered
         self.__name__ = getattr(fn, "__name__", "kernel")
         self._compiled: dict = {}
         self._ahead: dict = {}  # (constants, form) -> its ahead.Package, or _PENDING while queued
@@ -291,12 +294,12 @@ def _specialise(fn: Callable, static: dict) -> Callable:
     return types.FunctionType(code, specialised.__globals__, code.co_name, None, specialised.__closure__)
 
 
-def fused(fn: Optional[Callable] = None, *, min_numel: int = MIN_NUMEL):
-    """Decorator, bare or with ``min_numel``: ``fn``'s tensor operations become one compiled kernel (see
+def fused(fn: Optional[Callable] = None, *, min_numel: int = MIN_NUMEL, ordered: bool = True):
+    """Decorator, bare or with keywords: ``fn``'s tensor operations become one compiled kernel (see
     :class:`Kernel`), run on tensors of at least ``min_numel`` elements."""
     if fn is None:
-        return lambda f: Kernel(f, min_numel)
-    return Kernel(fn, min_numel)
+        return lambda f: Kernel(f, min_numel, ordered)
+    return Kernel(fn, min_numel, ordered)
 
 
 # -- bit packing inside a kernel: the layout of gradzip.bits.pack_bits, for 8 % bits == 0 ---------------

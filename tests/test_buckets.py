@@ -2,6 +2,8 @@
 per-tensor route, across ranks, with non-finite inputs, through a checkpoint, and its exact wire bytes."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -359,6 +361,19 @@ def test_no_kernel_compiles_in_a_bucket_exchange(monkeypatch):
     GradzipState("efsignsgd", bucketed=False).exchange(_bucket()[1])  # its kernels may return None
     assert calls
 
+
+
+@pytest.mark.parametrize("params", [{}, {"ratio": 0.1, "rows": 3, "width": 2.0}, {"rows": 20, "width": 1.0}])
+def test_sketch_drawn_in_pieces_equals_the_per_tensor_route(params, monkeypatch):
+    """The count sketch draws a large bucket a piece at a time, and again after the allreduce: pieces
+    that cut tensors anywhere give each tensor's own sketch, estimates and selection, bit for bit."""
+    sketch = sys.modules["gradzip.compressors.sketch"]
+    monkeypatch.setattr(sketch, "_MIN_PIECE", 5)
+    layout = BucketLayout([f"layer{i}" for i in range(len(SHAPES))], SHAPES, torch.float32, torch.device("cpu"))
+    pieces = make("sketch", **params)._plan(layout).pieces
+    assert len(pieces) > 3 and any(start not in layout.offsets for start, _ in pieces[1:])
+    assert [stop for _, stop in pieces[:-1]] == [start for start, _ in pieces[1:]] and pieces[-1][1] == layout.numel
+    test_bucket_route_equals_the_per_tensor_route("sketch", params, torch.float32)
 
 
 @pytest.mark.parametrize("ratio, power", [(0.1, 1), (0.3, 5), (0.05, 9)])

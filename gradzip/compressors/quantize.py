@@ -207,12 +207,13 @@ def _qsgd_bucket_encode(p, scale, chunk_starts, seed, *, s: int, bits: int):
 
 
 @kernels.fused
-def _qsgd_bucket_residual(p, table, packed, step, chunk_starts):
-    """Error feedback's p - Q(p) of this rank's own bucket payload, written into ``p``: each code's value
-    looked up by its byte (``table``), times its chunk's ``step`` = ||v|| / s, as
-    :meth:`QSGD._bucket_decoded` and the subtraction do it."""
+def _bucket_residual(p, table, packed, scale, starts):
+    """Error feedback's p - C(p) of this rank's own bucket payload, written into ``p``, for the codes
+    whose value is their byte's entry of ``table`` times their segment's ``scale`` (segments starting
+    at ``starts``): QSGD's sign * xi times its chunk's ||v|| / s (as :meth:`QSGD._bucket_decoded`),
+    TernGrad's trit times its tensor's scaler; the reference paths' lookup and product, in one loop."""
     value = table.index_select(0, packed.to(torch.int32)).view(-1)[: p.shape[0]]
-    return p.sub_(value * step.index_select(0, segment_of(p.shape[0], chunk_starts, p.device)))
+    return p.sub_(value * scale.index_select(0, segment_of(p.shape[0], starts, p.device)))
 
 
 @kernels.fused
@@ -441,14 +442,14 @@ class QSGD(GatheredCompressor):
         # |Q_i| <= ||v||: the mean is at most the sum over ranks of each one's largest norm
         bound = torch.stack([f[0].abs().amax() for f in gathered]).sum() if norms.numel() else None
         return Exchanged(total.div_(b.world_size), lambda: self._bucket_decoded((norms, packed), layout),
-                         bound=bound, subtract_sent=self._bucket_residual(norms, packed, layout))
+                         bound=bound, subtract_sent=self._residual_kernel(norms, packed, layout))
 
-    def _bucket_residual(self, norms, packed, layout):
+    def _residual_kernel(self, norms, packed, layout):
         """subtract_sent for error feedback: p - Q(p) by one kernel compiled ahead, where it is."""
-        if 8 % self._bits or not _qsgd_bucket_residual.wanted(layout.numel):
+        if 8 % self._bits or not _bucket_residual.wanted(layout.numel):
             return None
-        return lambda p: _qsgd_bucket_residual.ahead(p, _signed_level_bytes(self._bits, p.device), packed,
-                                                     norms.float() / self.levels, layout.chunk_starts(self.bucket_size))
+        return lambda p: _bucket_residual.ahead(p, _signed_level_bytes(self._bits, p.device), packed,
+                                                norms.float() / self.levels, layout.chunk_starts(self.bucket_size))
 
     def _bucket_decoded(self, fields, layout, index=None) -> torch.Tensor:
         """Q of one rank's bucket payload: (sign * xi) * (||v|| / s), flat float32 (``index``: the
@@ -487,14 +488,6 @@ def _terngrad_bucket_encode(g, s, tensor_starts, seed):
     layout's tensor starts), its uniform drawn from ``seed`` by counter."""
     up = kernels.counter_uniforms(g, seed) < g.abs() / s.index_select(0, segment_of(g.shape[0], tensor_starts, g.device))
     return kernels.pack_codes(((g > 0) & up).to(torch.int32) * 2 + 1 - up.to(torch.int32), 2)
-
-
-@kernels.fused
-def _terngrad_bucket_residual(p, table, packed, s, tensor_starts):
-    """Error feedback's p - s t of this rank's own bucket payload, written into ``p``: each trit looked
-    up by its byte (``table``), times its tensor's scaler, as the reference path does it."""
-    t = table.index_select(0, packed.to(torch.int32)).view(-1)[: p.shape[0]]
-    return p.sub_(t * s.index_select(0, segment_of(p.shape[0], tensor_starts, p.device)))
 
 
 @kernels.fused
@@ -665,8 +658,8 @@ class TernGrad(Compressor):
         scale = layout.per_element(s)
         # N trits summed, times s: |sum| <= N max_i s_i, and the mean is at most that
         residual = None
-        if _terngrad_bucket_residual.wanted(n):
-            residual = lambda q: _terngrad_bucket_residual.ahead(q, table, packed, s, layout.tensor_starts)  # noqa: E731
+        if _bucket_residual.wanted(n):
+            residual = lambda q: _bucket_residual.ahead(q, table, packed, s, layout.tensor_starts)  # noqa: E731
         return Exchanged(total.mul_(scale).div_(b.world_size),
                          lambda: lookup_codes(packed, table, n).mul_(scale),
                          bound=s.abs().amax() * b.world_size, subtract_sent=residual)

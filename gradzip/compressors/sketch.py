@@ -9,7 +9,6 @@ import torch
 
 from .. import kernels
 from .base import AllReduce, Compressor, Exchanged, TensorContext, _stable_hash, check_ratio, workspace, zeroed
-from .bucket import plus_minus_one
 from .registry import register
 from .sparse import top_k
 
@@ -98,8 +97,8 @@ class Sketch(Compressor):
     one-round unsketching (values read off the sketch, error accumulated in sketch space) is not
     implemented.  The hashes are drawn again every step, so estimation errors do not stick to the same
     coordinates.  Memory: tensor by tensor, the hashes, signs and signed values take 16 * R bytes per
-    element (on a CPU kept from one step to the next, as other methods' buffers); on the bucket route, the
-    R rows of estimates and one row's draws, about 4 R + 48 bytes per element, for the exchange alone.
+    element (on a CPU kept from one step to the next, as other methods' buffers); on the bucket route, a
+    piece's draws and the estimates' magnitudes, about 13 bytes per element at R = 5, for the exchange.
     Wire: two allreduces, R * C * 4 + k * 4 bytes (fp32).  Tensors whose sketch would not be smaller
     than themselves (R * C >= n) are averaged densely and keep no residual.
     """
@@ -162,54 +161,29 @@ class Sketch(Compressor):
 
     def bucket_exchange(self, p, b):
         """As :meth:`exchange` per tensor (the same draws, sketches, medians, top-k and sums), on the whole
-        bucket one hash row at a time: row j's bucket and sign of every element from its position in its
-        tensor and its tensor's seed, scattered into the bucket's sketches (each tensor its C buckets per
-        row, end to end); after the allreduce each row's estimates gathered the same way, the medians over
-        the rows, and one topk per size class.  The tensors that are not compressed are averaged densely,
-        in fp32 (x / N summed) with the sketches, and keep no residual.  Memory: the R rows of estimates
-        and a row's draws, not every row's draws at once.  Wire: two allreduces, (sum of R * C + the dense
-        elements + K) * 4 bytes."""
+        bucket a piece of elements at a time (:attr:`_SketchPlan.pieces`): every hash row's bucket and sign
+        of the piece's elements, from their positions in their tensors and their tensors' seeds, scattered
+        into the bucket's sketches (each tensor its C buckets per row, end to end); after the allreduce the
+        same draws again, each row's estimates gathered, their median and its magnitude; then one topk per
+        size class.  The tensors that are not compressed are averaged densely, in fp32 (x / N summed) with
+        the sketches, and keep no residual.  Memory: the draws of one piece's R rows (drawing twice costs
+        less than keeping R rows of draws over the bucket, R copies of it); where the kernels are compiled
+        ahead, none (:func:`_sketch_bucket`, :func:`_sketch_magnitude`).  Wire: two allreduces, (sum of
+        R * C + the dense elements + K) * 4 bytes."""
         layout, world, rows = b.layout, b.world_size, self.rows
         plan = self._plan(layout)
         if not plan.classes:  # nothing compressed: every tensor averaged densely
             total = yield AllReduce(p / world if world > 1 else p.clone())
             return Exchanged(total, sparse=(torch.arange(layout.numel, device=p.device), p), sent_exactly=True)
-        index = layout.segment_index()
-        position = torch.arange(layout.numel, dtype=torch.int32, device=p.device)  # each element's in its tensor
-        position.sub_(plan.offsets.index_select(0, index))
-        cols, base = plan.cols.index_select(0, index), plan.base.index_select(0, index)
         seeds = row_seeds(b.seed, plan.key_hashes, b.step, rows)  # (rows, tensors)
-        kept = p if plan.dense_at is None else p * plan.compressed.index_select(0, index)  # dense ones add 0
-
-        def row(j):
-            """Row j's sketch slots (int64) and signs (float32 +-1) of every element."""
-            slots, signs = sketch_draws(position, seeds[j].index_select(0, index), cols)
-            return slots.add_(base).add_(j * plan.sum_cols), signs
-
-        sketch = torch.zeros(rows * plan.sum_cols, dtype=torch.float32, device=p.device)
-        # Each row's draws kept as one integer per element, 2 slot + (sign > 0), for the estimates after the
-        # allreduce (drawn once, not again); their memory then takes the estimates themselves.  int32
-        # unless a bucket holds 2^30 slots (a sketch of 4 GB).
-        wide = 2 * rows * plan.sum_cols >= 2**31
-        codes = torch.empty(rows, layout.numel, dtype=torch.int64 if wide else torch.int32, device=p.device)
-        for j in range(rows):  # one row's draws alive at a time
-            slots, signs = row(j)
-            codes[j].copy_(torch.add(signs.gt(0), slots, alpha=2))
-            sketch.scatter_add_(0, slots, signs.mul_(kept))
-            del slots, signs
-        del kept, position, cols, base, index
+        sketch = self._sketches(p, plan, seeds)
         dense_values = p.index_select(0, plan.dense_at) if plan.dense_at is not None else p.new_zeros(0)
         total = yield AllReduce(torch.cat([sketch, dense_values / world if world > 1 else dense_values]))
-        summed = total[:sketch.numel()]
-        estimates = codes.view(torch.float32)[:, :layout.numel]  # int64 codes: the first half of each row
-        for j in range(rows):  # s_j(i) T[j, h_j(i)], written over row j's codes
-            estimate = summed.index_select(0, codes[j] >> 1).mul_(plus_minus_one(codes[j] & 1, torch.float32))
-            estimates[j].copy_(estimate)
-            del estimate
-        magnitude = median_of_rows(estimates).abs_()
+        del sketch
+        magnitude = self._magnitudes(p, total[:rows * plan.sum_cols], plan, seeds)
         chosen = [layout.rows(magnitude, size).topk(k, dim=1, sorted=False).indices.add_(size.starts.view(-1, 1))
                   for size, k in plan.classes]
-        del estimates, magnitude
+        del magnitude
         at = _positions(chosen, p.device)
         mine = p.index_select(0, at)
         values = yield AllReduce(mine)
@@ -217,9 +191,40 @@ class Sketch(Compressor):
         aggregate.index_copy_(0, at, values / world)
         if plan.dense_at is None:
             return Exchanged(aggregate, sparse=(at, mine), sent_exactly=True)
-        aggregate.index_copy_(0, plan.dense_at, total[sketch.numel():])
+        aggregate.index_copy_(0, plan.dense_at, total[rows * plan.sum_cols:])
         return Exchanged(aggregate, sparse=(torch.cat([at, plan.dense_at]), torch.cat([mine, dense_values])),
                          sent_exactly=True)
+
+    def _sketches(self, p, plan, seeds) -> torch.Tensor:
+        """The bucket's sketches S(p), its tensors' rows of C slots end to end in each of R rows: by one
+        kernel where it is compiled ahead, else a piece at a time (dense tensors' elements add 0)."""
+        sketch = torch.zeros(self.rows * plan.sum_cols, dtype=torch.float32, device=p.device)
+        if _sketch_bucket.wanted(p.numel()):
+            fused = _sketch_bucket.ahead(p, sketch, *plan.tables, plan.compressed, *_rows_apart(seeds))
+            if fused is not None:
+                return fused
+        for start, stop in plan.pieces:
+            tensor, slots, signs = plan.draws(seeds, start, stop)
+            values = p[start:stop] if plan.dense_at is None else p[start:stop] * plan.compressed.index_select(0, tensor)
+            sketch.index_add_(0, slots.view(-1), signs.mul_(values).view(-1))
+            del tensor, slots, signs, values
+        return sketch
+
+    def _magnitudes(self, p, summed, plan, seeds) -> torch.Tensor:
+        """|est_i| = |median_j s_j(i) T[j, h_j(i)]| of every element, from the summed sketches T: by one
+        kernel where it is compiled ahead, else the same draws again a piece at a time."""
+        if self.rows <= _NETWORK_ROWS and _sketch_magnitude.wanted(p.numel()):
+            fused = _sketch_magnitude.ahead(p, summed, *plan.tables, *_rows_apart(seeds))
+            if fused is not None:
+                return fused
+        magnitude = torch.empty(p.numel(), dtype=torch.float32, device=p.device)
+        for start, stop in plan.pieces:
+            _, slots, signs = plan.draws(seeds, start, stop)
+            estimates = signs.mul_(summed.index_select(0, slots.view(-1)).view_as(signs))
+            del slots
+            torch.abs(median_of_rows(estimates), out=magnitude[start:stop])
+            del estimates, signs
+        return magnitude
 
     def _plan(self, layout) -> "_SketchPlan":
         plans = _PLANS.setdefault(layout, {})
@@ -242,11 +247,74 @@ def _positions(parts: list, device: torch.device) -> torch.Tensor:
     return torch.cat([part.reshape(-1) for part in parts]) if parts else torch.empty(0, dtype=torch.int64, device=device)
 
 
+@kernels.fused(ordered=False)
+def _sketch_bucket(p, sketch, tensor_starts, offsets, cols, base, compressed, *seeds):
+    """The bucket's sketches ``sketch`` (zeros, a row of ``sum_cols`` per hash row) plus every hash row's
+    s_j(i) p_i at its slot h_j(i), as :meth:`Sketch.bucket_exchange` draws them a piece at a time: one
+    kernel, no draw kept in memory.  The sums at a slot are in no fixed order (atomic adds on a GPU, as
+    ``index_add_``'s there); every rank then gets the same allreduced sketches.  The seeds come a row per
+    argument (:func:`_rows_apart`)."""
+    tensor, slots, signs = _draws_of(torch.arange(p.shape[0], dtype=torch.int32, device=p.device), torch.stack(seeds),
+                                     tensor_starts, offsets, cols, base, _row_starts(len(seeds), sketch.shape[0], p.device))
+    return sketch.index_add(0, slots.reshape(-1), (signs * (p * compressed.index_select(0, tensor))).reshape(-1))
+
+
+@kernels.fused
+def _sketch_magnitude(p, summed, tensor_starts, offsets, cols, base, *seeds):
+    """|median_j s_j(i) T[j, h_j(i)]| of every element of the bucket ``p`` from the allreduced sketches
+    ``summed``, as :meth:`Sketch.bucket_exchange` estimates a piece at a time: the draws again, the gathers
+    and the sorting network of :func:`median_of_rows` (up to 16 rows) in one kernel; seeds as
+    :func:`_sketch_bucket`'s."""
+    rows = len(seeds)
+    _, slots, signs = _draws_of(torch.arange(p.shape[0], dtype=torch.int32, device=p.device), torch.stack(seeds),
+                                tensor_starts, offsets, cols, base, _row_starts(rows, summed.shape[0], p.device))
+    estimates = list((signs * summed.index_select(0, slots.reshape(-1)).view_as(signs)).unbind(0))
+    for r in range(rows):  # median_of_rows' network, on values
+        for i in range(r % 2, rows - 1, 2):
+            estimates[i], estimates[i + 1] = torch.minimum(estimates[i], estimates[i + 1]), torch.maximum(estimates[i], estimates[i + 1])
+    return estimates[(rows - 1) // 2].abs()
+
+
+def _rows_apart(seeds: torch.Tensor) -> tuple:
+    """The (rows, tensors) seeds as a kernel compiled ahead takes them, a tensor per row: every dimension
+    of its arguments is a size it compiles for any value of, and the number of rows is a constant."""
+    return tuple(seeds.unbind(0))
+
+
+def _row_starts(rows: int, slots, device) -> torch.Tensor:
+    """Where each of the ``rows`` rows of a bucket's sketches of ``slots`` slots in all starts, int64
+    (rows, 1)."""
+    return torch.arange(rows, dtype=torch.int64, device=device).view(-1, 1) * (slots // rows)
+
+
+def _draws_of(position, seeds, tensor_starts, offsets, cols, base, row_starts) -> tuple:
+    """The tensor (int32) of each bucket element at ``position`` (int32), and every hash row's slot
+    (int64, in the bucket's sketches, rows starting at ``row_starts``) and sign (float32 +-1) of them,
+    as (rows, n) tensors, under the (rows, tensors) ``seeds``; per tensor its offset, C and first slot
+    in a row."""
+    tensor = torch.bucketize(position, tensor_starts, out_int32=True, right=True)
+    position = position.sub_(offsets.index_select(0, tensor))  # in its tensor
+    hashed = seeds.index_select(1, tensor)  # eagerly the draws' first scratch: hashed in place
+
+    def buffer(name, shape, dtype):
+        return hashed.view(dtype) if name == "signed" else torch.empty(shape, dtype=dtype, device=seeds.device)
+
+    slots, signs = sketch_draws(position, hashed, cols.index_select(0, tensor), buffer)
+    return tensor, slots.add_(base.index_select(0, tensor)).add_(row_starts), signs
+
+
+#: A bucket is drawn a piece at a time, every hash row of a piece at once (a row's draws take about four
+#: copies of the piece): pieces of a (_PIECES_PER_ROW * rows + 1)-th of the bucket keep them within one
+#: copy and a half of it; below _MIN_PIECE elements a piece's operations cost more than its memory.
+_PIECES_PER_ROW, _MIN_PIECE = 3, 2**16
+
+
 class _SketchPlan:
     """What a bucket's sketch needs that its layout fixes, built once per layout and parameters: per
     tensor (on the device) its offset, C (0 if not compressed), where its C buckets start in a row
     (``base``; rows of ``sum_cols``), 1.0 if compressed (``compressed``) and its key's hash; the size
-    classes compressed, with their k; the positions of the tensors averaged densely (None: none)."""
+    classes compressed, with their k; the positions of the tensors averaged densely (None: none); the
+    pieces the bucket is drawn in, and their draws (:meth:`draws`)."""
 
     def __init__(self, layout, ratio: float, rows: int, width: float):
         device, numels = layout.device, layout.numels
@@ -268,6 +336,16 @@ class _SketchPlan:
         dense = [torch.arange(o, o + n, device=device) for o, n, yes in zip(layout.offsets, numels, compressed)
                  if not yes and n]
         self.dense_at = torch.cat(dense) if dense else None
+        self.tensor_starts = layout.tensor_starts
+        self.tables = (self.tensor_starts, self.offsets, self.cols, self.base)  # what the draws read per tensor
+        self.row_starts = _row_starts(rows, rows * self.sum_cols, device)
+        size = max(_MIN_PIECE, -(-layout.numel // (_PIECES_PER_ROW * rows + 1)))
+        self.pieces = [(start, min(start + size, layout.numel)) for start in range(0, layout.numel, size)]
+
+    def draws(self, seeds: torch.Tensor, start: int, stop: int) -> tuple:
+        """:func:`_draws_of` the elements of the piece [start, stop) of the bucket."""
+        position = torch.arange(start, stop, dtype=torch.int32, device=seeds.device)
+        return _draws_of(position, seeds, *self.tables, self.row_starts)
 
 
 #: Per bucket layout: its sketch plans by (ratio, rows, width).

@@ -48,7 +48,7 @@ def test_launches_exit_cleanly(kernels_plan):
 
 
 #: Methods whose bucket route has kernels compiled ahead, with error feedback (encoding and residual).
-AHEAD = {"qsgd": ("_qsgd_bucket_encode", "_qsgd_bucket_residual")}
+AHEAD = {"qsgd": ("_qsgd_bucket_encode", "_bucket_residual")}
 
 
 @pytest.fixture(scope="session")
