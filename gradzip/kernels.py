@@ -113,6 +113,19 @@ def suspended():
         _THREAD.suspended = before
 
 
+@contextlib.contextmanager
+def compiled_only():
+    """Within the block, on this thread, a fused kernel runs only where this process has compiled it
+    already for its constants: none is compiled for the first time (the reference paths do the work).
+    (One compiled already may still recompile, for another dtype: its sizes are symbolic.)"""
+    before = getattr(_THREAD, "compiled_only", False)
+    _THREAD.compiled_only = True
+    try:
+        yield
+    finally:
+        _THREAD.compiled_only = before
+
+
 def enabled_over_ranks(numel: int, world: int) -> bool:
     """Whether a kernel summing ``world`` ranks' payloads of ``numel`` elements should run (its sum is
     unrolled, so only up to :data:`UNROLL_RANKS` ranks)."""
@@ -166,6 +179,8 @@ class Kernel:
         if _failure is not None or getattr(_THREAD, "suspended", False):
             return None
         key = tuple(sorted(static.items()))
+        if key not in self._compiled and getattr(_THREAD, "compiled_only", False):
+            return None
         try:
             if key not in self._compiled:
                 self._compiled[key] = torch.compile(_specialise(self.fn, static), fullgraph=True)

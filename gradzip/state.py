@@ -583,10 +583,13 @@ class GradzipState:
     # -- asynchronous use by the integrations -------------------------------------------------------
     def submit(self, named_grads: Sequence[tuple[str, torch.Tensor]],
                done: Callable[[list[torch.Tensor]], object],
-               out: Optional[Sequence[torch.Tensor]] = None) -> torch.futures.Future:
+               out: Optional[Sequence[torch.Tensor]] = None, compiles: bool = True) -> torch.futures.Future:
         """Run :meth:`exchange` (into ``out``, if given) on this state's single communication thread;
         FIFO keeps the order of collectives identical on every rank.  The future gets
-        ``done(aggregates)``'s value."""
+        ``done(aggregates)``'s value.  ``compiles=False``: the exchange takes its reference paths where
+        a fused kernel would first have to be compiled in this process (for those seconds
+        ``torch.compiler.is_compiling()`` is true for the whole process, and the caller's code running
+        meanwhile, e.g. an optimizer's step, would take its compiled-code branches)."""
         self.transport  # connect on the caller's thread, never on the communication thread
         device = next((g.device for _, g in named_grads if devices.cuda(g)), None)
         ready = None
@@ -598,7 +601,7 @@ class GradzipState:
             ready.record(torch.cuda.current_stream(device))
         fut: torch.futures.Future = torch.futures.Future(devices=[device] if device is not None else None)
         if device is not None and self._worker is None and self._issues_inline(named_grads):
-            self._run_job(list(named_grads), out, done, fut, device, ready, time.perf_counter())
+            self._run_job(list(named_grads), out, done, fut, device, ready, time.perf_counter(), compiles)
             return fut
         with self._lock:
             if self._closed:
@@ -608,7 +611,7 @@ class GradzipState:
                 self._worker = threading.Thread(target=self._serve, args=(torch.get_num_threads(),),
                                                 name="gradzip-comm", daemon=True)
                 self._worker.start()
-            self._jobs.put((list(named_grads), out, done, fut, device, ready, time.perf_counter()))
+            self._jobs.put((list(named_grads), out, done, fut, device, ready, time.perf_counter(), compiles))
         return fut
 
     def _serve(self, num_threads: int) -> None:
@@ -629,9 +632,9 @@ class GradzipState:
             self._run_job(*job)
             del job  # hold no tensor while waiting for the next job
 
-    def _run_job(self, named, out, done, fut, device, ready, submitted) -> None:
+    def _run_job(self, named, out, done, fut, device, ready, submitted, compiles) -> None:
         try:
-            with self._stream_for(device, ready):
+            with self._stream_for(device, ready), contextlib.nullcontext() if compiles else kernels.compiled_only():
                 started = time.perf_counter()
                 aggregates = self.exchange(named, out)
                 report = self.last_report

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import os
 import re
+import threading
 import time
 
 import pytest
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gradzip
+from gradzip import kernels
 from tests.workers import run_scenarios
 from tests import workers
 from tests.distributed import run_workers
@@ -386,6 +388,31 @@ def _single(**kwargs):
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     return model, opt, gradzip.DiLoCo(model, opt, **{"sync_every": 2, **kwargs})
+
+
+def test_an_overlapped_exchange_compiles_no_kernel(monkeypatch):
+    """overlap=True: the exchange runs on gradzip's thread beside the inner steps, and a kernel compiled
+    in-process meanwhile would make ``torch.compiler.is_compiling()`` true for them too (an optimizer's
+    step then rounds otherwise); it takes the reference paths instead.  The same exchanges made in
+    step compile theirs (here a stand-in for ``torch.compile`` that records where it was called)."""
+    compiled = []
+
+    def recorded(fn, **options):
+        compiled.append(threading.current_thread().name)
+        return fn
+    monkeypatch.setattr(torch, "compile", recorded)
+    monkeypatch.setattr(kernels, "MIN_NUMEL", 1)
+    for kernel in kernels.KERNELS:  # every tensor large enough for its kernel, none compiled yet
+        monkeypatch.setattr(kernel, "min_numel", 1)
+        monkeypatch.setattr(kernel, "_compiled", {})
+    for overlap in (True, False):
+        model, opt, outer = _single(sync_every=2, overlap=overlap, compressor="qsgd")
+        for step in range(5):
+            _inner_step(model, opt, 0, step)
+            outer.step()
+        outer.close()
+        assert outer.stats()["syncs"] == 2
+        assert bool(compiled) == (not overlap), (overlap, compiled)
 
 
 def test_outer_step_is_torch_sgd_with_nesterov_on_the_pseudo_gradient():

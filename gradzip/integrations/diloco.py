@@ -176,7 +176,10 @@ class DiLoCo:
             deltas = [(name, self.theta[name] - p.float()) for name, p in named]
             if self.overlap:
                 names = [name for name, _ in named]
-                self._pending = (due, t, self.state.submit(deltas, functools.partial(self._outer_step, names)))
+                # compiles=False: a kernel compiled in-process meanwhile would change how the inner steps
+                # running beside the exchange round (torch.compiler.is_compiling() is process-wide)
+                self._pending = (due, t, self.state.submit(deltas, functools.partial(self._outer_step, names),
+                                                           compiles=False))
             else:
                 self._load(named, self._exchange(deltas, t))
             self.syncs += 1
