@@ -100,30 +100,29 @@ def enabled(numel: int) -> bool:
 _THREAD = threading.local()
 
 
-@contextlib.contextmanager
 def suspended():
     """No fused kernel runs on this thread within the block: the reference paths do the work.  The
     bucket route takes them, since a kernel's first compile (seconds) would land in a user's first
     step on every new bucket size."""
-    before = getattr(_THREAD, "suspended", False)
-    _THREAD.suspended = True
-    try:
-        yield
-    finally:
-        _THREAD.suspended = before
+    return _flagged("suspended")
 
 
-@contextlib.contextmanager
 def compiled_only():
     """Within the block, on this thread, a fused kernel runs only where this process has compiled it
     already for its constants: none is compiled for the first time (the reference paths do the work).
     (One compiled already may still recompile, for another dtype: its sizes are symbolic.)"""
-    before = getattr(_THREAD, "compiled_only", False)
-    _THREAD.compiled_only = True
+    return _flagged("compiled_only")
+
+
+@contextlib.contextmanager
+def _flagged(name: str):
+    """The thread-local flag ``name`` set within the block (and as it was after it)."""
+    before = getattr(_THREAD, name, False)
+    setattr(_THREAD, name, True)
     try:
         yield
     finally:
-        _THREAD.compiled_only = before
+        setattr(_THREAD, name, before)
 
 
 def enabled_over_ranks(numel: int, world: int) -> bool:
