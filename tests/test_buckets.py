@@ -376,6 +376,23 @@ def test_sketch_drawn_in_pieces_equals_the_per_tensor_route(params, monkeypatch)
     test_bucket_route_equals_the_per_tensor_route("sketch", params, torch.float32)
 
 
+def test_dgc_takes_magnitudes_in_place_and_gives_back_every_bit():
+    """DGC's bucket selection reads |v| written over v (a bucket copy less at its peak); v's bits come
+    back exactly, signs of zeros and NaN included, also when the block raises."""
+    sparse = sys.modules["gradzip.compressors.sparse"]
+    values = torch.tensor([1.5, -2.0, 0.0, -0.0, float("inf"), -float("inf"), float("nan"), -float("nan"), -1e-45])
+    p = torch.cat([values, torch.randn(1000)])
+    before = p.view(torch.int32).clone()
+    with sparse._in_magnitude(p) as magnitudes:
+        assert magnitudes is p and not torch.signbit(p).any()
+        torch.testing.assert_close(p, torch.from_numpy(abs(p.numpy())), equal_nan=True)
+    assert torch.equal(p.view(torch.int32), before)
+    with pytest.raises(RuntimeError, match="inside"):
+        with sparse._in_magnitude(p):
+            raise RuntimeError("inside")
+    assert torch.equal(p.view(torch.int32), before)
+
+
 @pytest.mark.parametrize("ratio, power", [(0.1, 1), (0.3, 5), (0.05, 9)])
 def test_dgc_bucket_selection_is_select_per_tensor(ratio, power):
     """DGC's bucket selection (every retry's threshold at once, then one count per tensor and retry)

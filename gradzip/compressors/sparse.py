@@ -7,6 +7,7 @@ values alone and send no indices.  Indices use the smallest integer dtype that a
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import weakref
@@ -898,12 +899,18 @@ class DGC(MaskedBucket, Sparsifier):
         counter per rank, sorted once for the whole bucket (:meth:`_SamplePlan.sorted`); every retry's
         threshold from it (:func:`_retry_thresholds`); the elements passing each of them counted in
         one comparison, and the first threshold passing at least 0.8 k kept (the last one where none
-        does); tensors where more than k pass keep their exact top k (one ``topk`` per size class)."""
-        layout, absp = b.layout, torch.abs(p)
+        does); tensors where more than k pass keep their exact top k (one ``topk`` per size class).
+        |v| is taken in v's own memory and v's signs given back after (:func:`_in_magnitude`)."""
+        layout = b.layout
         plan = _dgc_plan(layout, max(1, round(1 / self.sample_ratio)), self.min_numel,
                          self.density(self._stage(b.epoch, b.step)), self.lower_bound, self.max_retries)
         if plan is None:  # every tensor is sent whole
             return torch.zeros(layout.numel, dtype=torch.bool, device=p.device)
+        with _in_magnitude(p) as absp:
+            return self._mask_of(absp, b, plan)
+
+    def _mask_of(self, absp, b, plan) -> torch.Tensor:
+        layout = b.layout
         sample, short = plan.sorted(absp, b.uniforms(len(layout), shared=False, salt="dgc"))
         lower = sample.take(torch.where(short, plan.ranks_short, plan.ranks_full))  # (retries + 1, tensors)
         thresholds = _retry_thresholds(lower).clamp_min_(_TINY)  # zeros are never sent (see _at_least)
@@ -918,6 +925,19 @@ class DGC(MaskedBucket, Sparsifier):
     def bucket_payload_bytes(self, layout, kept: Optional[int] = None) -> int:
         whole = sum(n for n, shape in zip(layout.numels, layout.shapes) if not _compressed(shape, self.min_numel))
         return whole * layout.dtype.itemsize + super().bucket_payload_bytes(layout, kept)
+
+
+@contextlib.contextmanager
+def _in_magnitude(p: torch.Tensor):
+    """|p| written over ``p`` within the block, and p's signs put back after it (bit for bit: -0.0 and
+    NaN's sign bits included), where a bucket-sized |p| beside p would be a copy of the bucket more at
+    DGC's peak; a bool of the signs is kept meanwhile."""
+    negative = torch.signbit(p)
+    try:
+        yield p.abs_()
+    finally:
+        p.copysign_(negative.to(torch.int8).neg_())  # -1 where the sign was set, +0 where not
+        del negative
 
 
 def _compressed(shape: torch.Size, min_numel: int) -> bool:
