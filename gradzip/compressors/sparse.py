@@ -910,6 +910,7 @@ class DGC(MaskedBucket, Sparsifier):
             return self._mask_of(absp, b, plan)
 
     def _mask_of(self, absp, b, plan) -> torch.Tensor:
+        """:meth:`_bucket_mask`'s selection, from the bucket's |v|."""
         layout = b.layout
         sample, short = plan.sorted(absp, b.uniforms(len(layout), shared=False, salt="dgc"))
         lower = sample.take(torch.where(short, plan.ranks_short, plan.ranks_full))  # (retries + 1, tensors)
