@@ -6,7 +6,7 @@ one-process gloo group, the harness's GPT (width 32) at 2 and 8 blocks in one DD
 steps, then one step counted by :func:`gradzip.testing.count_exchanges` (every aten operation dispatched
 inside the exchange, and the host reads among them: what would wait for a GPU).
 
-    python benchmarks/op_budgets.py [--methods topk,qsgd]
+    python benchmarks/op_budgets.py [--methods topk,qsgd,fp16:feedback=residual]  # one parameter each
     python benchmarks/op_budgets.py --gpt 1024x8 --routes bucket   # per bucket of the GPU bench's model
 
 ``--ahead`` counts the bucket route as a GPU runs it once its kernels are compiled ahead (a GPU's form
@@ -37,6 +37,7 @@ import torch.nn.functional as F
 import gradzip
 from gradzip import devices, kernels
 from gradzip.bench.kernels import BENCH_PARAMS
+from gradzip.compressors.registry import parse_spec
 from gradzip.harness.data import DatasetInfo
 from gradzip.harness.models import GPT
 from gradzip.testing import count_exchanges, launching_ops as launching
@@ -56,7 +57,8 @@ def count(method: str, depth: int, bucketed: bool, width: int = 32, info: Datase
         torch.manual_seed(0)
         model = GPT(info, layers=depth, width=width, heads=heads)
     ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
-    state = gradzip.register(ddp, method, bucketed=bucketed, **PARAMS.get(method, {}))
+    name, given = parse_spec(method)  # "fp16:feedback=residual": a method with parameters
+    state = gradzip.register(ddp, name, bucketed=bucketed, **{**PARAMS.get(name, {}), **given})
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     gen = torch.Generator().manual_seed(depth)
 

@@ -39,6 +39,8 @@ CASES = [
     ("signum", {"zeros": "plus"}, ("_bucket_sign_bits",)),
     ("onebit", {}, ("_bucket_sign_bits",)),
     ("sketch", {"ratio": 0.05, "rows": 3, "width": 2.0}, ("_sketch_bucket", "_sketch_magnitude")),
+    ("fp16", {"feedback": "residual"}, ("_half_share", "_half_residual")),
+    ("bf16", {"feedback": "residual"}, ("_half_share", "_half_residual")),
 ]
 QUANTISERS = ("qsgd", "terngrad", "natural")
 IDS = [f"{m}-{'-'.join(f'{k}={v}' for k, v in p.items())}" for m, p, _ in CASES]

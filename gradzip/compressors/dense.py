@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import kernels
 from .base import AllReduce, Exchanged, SummableCompressor, TensorContext, saturation_limit, wire_cast, workspace
 from .registry import register
 
@@ -112,11 +113,20 @@ class _HalfCast(SummableCompressor):
     bucketed = True
 
     def bucket_exchange(self, p, b):
-        # x / N in fp32 (exact for N = 1), rounded once to the half type, as in exchange()
-        share = p if b.world_size == 1 else torch.div(p, b.world_size)
-        payload = wire_cast(share, self.half_dtype, self.saturates, summed=b.world_size)
+        """x / N in fp32 (exact for N = 1), rounded once to the half type, as in exchange(); with error
+        feedback (its only use of this route) the rounding and the residual p - N half(x / N) are a
+        kernel each where they are compiled ahead."""
+        world, limit = b.world_size, saturation_limit(self.half_dtype, b.world_size) if self.saturates else None
+        dtype = str(self.half_dtype).removeprefix("torch.")
+        payload = _half_share.ahead(p, world=world, limit=limit, dtype=dtype) if _half_share.wanted(p.numel()) else None
+        if payload is None:
+            share = p if world == 1 else torch.div(p, world)
+            payload = wire_cast(share, self.half_dtype, self.saturates, summed=world)
         total = yield AllReduce(payload)
-        return Exchanged(total, lambda: payload.float().mul_(b.world_size))
+        residual = None
+        if _half_residual.wanted(p.numel()):
+            residual = lambda q: _half_residual.ahead(q, payload, world=world)  # noqa: E731
+        return Exchanged(total, lambda: payload.float().mul_(world), subtract_sent=residual)
 
     def bucket_payload_bytes(self, layout):
         return layout.numel * 2
@@ -126,6 +136,23 @@ class _HalfCast(SummableCompressor):
         # 8-bit significand times N is exact in fp32 too), which is what a plain half allreduce yields;
         # with error feedback the rounding error is kept, which only gradzip's exchange does.
         return self.half_dtype if self.feedback == "none" and ctx.world_size < 2**13 else None
+
+
+@kernels.fused
+def _half_share(p, *, world: int, limit, dtype: str):
+    """p / N (p itself for N = 1), clamped to +-``limit`` where one is given, rounded to ``dtype``
+    (float16, bfloat16): :func:`wire_cast` of the share, in one loop."""
+    share = p / world if world > 1 else p
+    if limit is not None:
+        share = share.clamp(-limit, limit)
+    return share.to(getattr(torch, dtype))
+
+
+@kernels.fused
+def _half_residual(p, payload, *, world: int):
+    """Error feedback's p - N float(payload), written into ``p``: the product and the difference
+    rounded as the reference path's two steps."""
+    return p.sub_(payload.float() * world)
 
 
 @register
