@@ -116,12 +116,13 @@ class _HalfCast(SummableCompressor):
         """x / N in fp32 (exact for N = 1), rounded once to the half type, as in exchange(); with error
         feedback (its only use of this route) the rounding and the residual p - N half(x / N) are a
         kernel each where they are compiled ahead."""
-        world, limit = b.world_size, saturation_limit(self.half_dtype, b.world_size) if self.saturates else None
-        dtype = str(self.half_dtype).removeprefix("torch.")
-        payload = _half_share.ahead(p, world=world, limit=limit, dtype=dtype) if _half_share.wanted(p.numel()) else None
+        world = b.world_size
+        payload = None
+        if _half_share.wanted(p.numel()):
+            dtype = str(self.half_dtype).removeprefix("torch.")
+            payload = _half_share.ahead(p, world=world, dtype=dtype, saturate=self.saturates)
         if payload is None:
-            share = p if world == 1 else torch.div(p, world)
-            payload = wire_cast(share, self.half_dtype, self.saturates, summed=world)
+            payload = _share_rounded(p, world, self.half_dtype, self.saturates)
         total = yield AllReduce(payload)
         residual = None
         if _half_residual.wanted(p.numel()):
@@ -138,14 +139,16 @@ class _HalfCast(SummableCompressor):
         return self.half_dtype if self.feedback == "none" and ctx.world_size < 2**13 else None
 
 
+def _share_rounded(p: torch.Tensor, world: int, half: torch.dtype, saturate: bool) -> torch.Tensor:
+    """p / N in fp32 (p itself for N = 1), rounded once to ``half`` by :func:`wire_cast`."""
+    share = p if world == 1 else torch.div(p, world)
+    return wire_cast(share, half, saturate, summed=world)
+
+
 @kernels.fused
-def _half_share(p, *, world: int, limit, dtype: str):
-    """p / N (p itself for N = 1), clamped to +-``limit`` where one is given, rounded to ``dtype``
-    (float16, bfloat16): :func:`wire_cast` of the share, in one loop."""
-    share = p / world if world > 1 else p
-    if limit is not None:
-        share = share.clamp(-limit, limit)
-    return share.to(getattr(torch, dtype))
+def _half_share(p, *, world: int, dtype: str, saturate: bool):
+    """:func:`_share_rounded` in one loop (``dtype``: float16 or bfloat16)."""
+    return _share_rounded(p, world, getattr(torch, dtype), saturate)
 
 
 @kernels.fused
