@@ -119,8 +119,7 @@ def load(fn: Callable, static: dict, args_form: tuple, options: dict, device: to
         meta = _meta(path)
     if meta is None:
         raise RuntimeError(f"no package at {path} after its compile")
-    index = torch.device(device).index
-    return Package(torch._inductor.aoti_load_package(path, device_index=-1 if index is None else index), meta["mins"])
+    return Package(torch._inductor.aoti_load_package(path, device_index=_index(device)), meta["mins"])
 
 
 def _meta(path: str) -> Optional[dict]:
@@ -298,7 +297,8 @@ def _as_form(shapes: list) -> tuple:
     return tuple((dtype, kind, tuple(dims)) for dtype, kind, dims in shapes)
 
 
-def _index(device: str) -> int:
+def _index(device) -> int:
+    """The device's index for ``aoti_load_package`` (-1: none)."""
     index = torch.device(device).index
     return -1 if index is None else index
 
@@ -338,32 +338,26 @@ def _check(package: Package, fn: Callable, static: dict, args: tuple, name: str,
     mine = tuple(a.clone() for a in args)
     got = package(*mine)
     want = fn(*args, **static)
-    same = _same_bits if ordered else _close
     for a, b in [(got, want), *zip(mine, args)]:
-        if not same(a, b):
+        if not _same(a, b, ordered):
             raise RuntimeError(f"{name}'s compiled package differs from its eager code at sizes "
                                f"{[tuple(t.shape) for t in args]}")
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+def _same(a: torch.Tensor, b: torch.Tensor, ordered: bool = True) -> bool:
+    """Of one dtype and shape, integers equal, floats bit for bit (NaN where NaN, signs of zeros too);
+    not ``ordered``: floats equal up to the order of float sums, NaN where NaN and otherwise within a
+    relative 1e-4 of the largest magnitude."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
     if not a.is_floating_point():
         return torch.equal(a, b)
+    if not ordered:
+        scale = max(1.0, float(b.abs().nan_to_num(0, 0, 0).max())) if b.numel() else 1.0
+        return torch.allclose(a, b, rtol=1e-4, atol=1e-4 * scale, equal_nan=True)
     nan = torch.isnan(a)
     return (torch.equal(nan, torch.isnan(b)) and torch.equal(a[~nan], b[~nan])
             and torch.equal(torch.signbit(a[~nan]), torch.signbit(b[~nan])))
-
-
-def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal up to the order of float sums: NaN where NaN, else within a relative 1e-4 of the largest
-    magnitude (integers: equal)."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    if not a.is_floating_point():
-        return torch.equal(a, b)
-    scale = max(1.0, float(b.abs().nan_to_num(0, 0, 0).max())) if b.numel() else 1.0
-    return torch.allclose(a, b, rtol=1e-4, atol=1e-4 * scale, equal_nan=True)
 
 
 def _die_with_parent() -> None:

@@ -102,17 +102,13 @@ def compare_with_reference(method, params, names, monkeypatch, device="cpu", ste
     assert all(len(r) >= steps - 1 and all(r) for r in ran.values()), f"{method}: the kernels ran at calls {ran}"
     # a kernel that sums in no fixed order (a scatter's atomic adds) agrees up to that order: here, where
     # no two estimates of the sketch lie that close, the same selection and values to float tolerance
-    same = equal if all(kernel.ordered for kernel in fused) else close
+    same = torch.equal if all(kernel.ordered for kernel in fused) else close
     for step, (g, w) in enumerate(zip(got, want)):
         assert same(g, w), f"{method}: aggregates differ at step {step}"
     a, b = state_tensors(fused_state), state_tensors(reference)
     assert a.keys() == b.keys()
     for key in a:
         assert same(a[key], b[key]), f"{method}: state {key} differs"
-
-
-def equal(a, b) -> bool:
-    return torch.equal(a, b)
 
 
 def close(a, b) -> bool:
@@ -387,16 +383,20 @@ def test_the_sketch_kernels_cut_its_launches(monkeypatch):
     assert pieces > one_piece and fused <= one_piece - 50, counts
 
 
+def _unordered(a, b) -> bool:
+    return ahead._same(a, b, ordered=False)
+
+
 def test_an_unordered_kernel_is_checked_at_float_tolerance():
     """A kernel whose sums run in no fixed order passes its package's check where the sums differ in
     their last bits, and fails it where a result is wrong or NaN moved."""
     values = torch.randn(4099, generator=torch.Generator().manual_seed(0))
     forward, backward = values.sum().view(1), values.flip(0).cumsum(0)[-1:]
-    assert ahead._close(forward, backward)
-    assert not ahead._close(forward, forward + 0.01)
-    assert not ahead._close(torch.tensor([float("nan"), 1.0]), torch.tensor([1.0, 1.0]))
-    assert not ahead._close(torch.tensor([3], dtype=torch.int64), torch.tensor([4], dtype=torch.int64))
-    assert ahead._close(torch.tensor([float("nan"), 1.0]), torch.tensor([float("nan"), 1.0 + 1e-7]))
+    assert _unordered(forward, backward)
+    assert not _unordered(forward, forward + 0.01)
+    assert not _unordered(torch.tensor([float("nan"), 1.0]), torch.tensor([1.0, 1.0]))
+    assert not _unordered(torch.tensor([3], dtype=torch.int64), torch.tensor([4], dtype=torch.int64))
+    assert _unordered(torch.tensor([float("nan"), 1.0]), torch.tensor([float("nan"), 1.0 + 1e-7]))
 
 
 def test_a_failing_compile_warns_once_and_keeps_the_reference_path(monkeypatch, tmp_path):

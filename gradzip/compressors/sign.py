@@ -321,6 +321,12 @@ def _ef_bucket_residual(p, scales, tensor_starts):
     return p.sub_(scales.index_select(0, segment_of(p.shape[0], tensor_starts, p.device)) * signs)
 
 
+def _bucket_trit_codes(x: torch.Tensor) -> torch.Tensor:
+    """The bucket's ternary codes: by a kernel compiled ahead where there is one, else :func:`encode_trits`."""
+    codes = _bucket_trits.ahead(x) if _bucket_trits.wanted(x.numel()) else None
+    return encode_trits(x) if codes is None else codes
+
+
 @kernels.fused
 def _bucket_trits(x):
     """:func:`encode_trits` of a whole bucket in one loop (sign + 1 in base 3, five planes a byte)."""
@@ -625,11 +631,7 @@ class _SignVote(GatheredCompressor):
         the bucket's n, plus 4 bytes per tensor if ``scaled``."""
         layout, n = b.layout, b.layout.numel
         y = self.bucket_signs_of(p, b)
-        codes = None
-        if self.ternary and _bucket_trits.wanted(n):
-            codes = _bucket_trits.ahead(y)
-        if codes is None:
-            codes = encode_trits(y) if self.ternary else _bucket_signs(y)
+        codes = _bucket_trit_codes(y) if self.ternary else _bucket_signs(y)
         scales = layout.segment_mean(y.abs()) if self.scaled else None
         gathered = yield AllGather((codes,) if scales is None else (scales, codes))
         if scales is not None:  # spread over the elements before the vote exists: one bucket copy less at once

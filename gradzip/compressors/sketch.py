@@ -336,8 +336,7 @@ class _SketchPlan:
         dense = [torch.arange(o, o + n, device=device) for o, n, yes in zip(layout.offsets, numels, compressed)
                  if not yes and n]
         self.dense_at = torch.cat(dense) if dense else None
-        self.tensor_starts = layout.tensor_starts
-        self.tables = (self.tensor_starts, self.offsets, self.cols, self.base)  # what the draws read per tensor
+        self.tables = (layout.tensor_starts, self.offsets, self.cols, self.base)  # what the draws read per tensor
         self.row_starts = _row_starts(rows, rows * self.sum_cols, device)
         size = max(_MIN_PIECE, -(-layout.numel // (_PIECES_PER_ROW * rows + 1)))
         self.pieces = [(start, min(start + size, layout.numel)) for start in range(0, layout.numel, size)]
