@@ -43,7 +43,7 @@ IDS = [f"{name}-{'-'.join(f'{k}={v}' for k, v in params.items()) or 'default'}" 
 #: Methods whose per-tensor quantities are float sums (a scale, a norm): equal to the per-tensor route
 #: up to the order of those sums, not bit for bit.
 SUM_ORDER = {"efsignsgd": 1e-6, "powersgd": 2e-5,  # absolute tolerance: what float sums in another order give
-             "signsgd": 1e-6, "signum": 1e-6, "adaptive_threshold": 1e-6}
+             "signsgd": 1e-6, "signum": 1e-6, "adaptive_threshold": 1e-6, "sparseloco": 1e-6}
 #: Methods that draw at random: the bucket route draws by counter (kernels.counter_uniforms), the
 #: per-tensor route from a generator per tensor, so the two are compared in expectation instead.
 RANDOM = {name for name in BUCKETED if not make(name).deterministic}

@@ -95,11 +95,15 @@ class SparseLoCo(Compressor):
         return (*SparseLoCo.encode_values(block.gather(1, local), k), local)
 
     @staticmethod
-    def encode_values(values: torch.Tensor, k: int) -> tuple:
+    def encode_values(values: torch.Tensor, k, unkept: Optional[torch.Tensor] = None) -> tuple:
         """The levels (lo, hi per row, flat) and 2-bit codes (one per byte, flat) of each row's k kept
-        values (rows, k)."""
+        values (rows, k); ``k`` an int or, per row, an int64 tensor (rows,) with ``unkept`` the entries
+        past each row's own k (bool, as ``values``: no sum counts them, and their codes mean nothing)."""
         magnitude = values.abs()
-        large = magnitude > magnitude.sum(dim=1, keepdim=True) / max(k, 1)
+        if unkept is None:
+            large = magnitude > magnitude.sum(dim=1, keepdim=True) / max(k, 1)
+        else:
+            large = magnitude.masked_fill_(unkept, 0.0) > magnitude.sum(dim=1, keepdim=True) / k.clamp(min=1).view(-1, 1)
         zero = magnitude.new_zeros(())
         n_large = large.sum(dim=1)
         # A selection, not magnitude * large: inf * 0 would be NaN.
@@ -149,47 +153,33 @@ class SparseLoCo(Compressor):
     bucketed = True
     bucket_state = (state_key,)
 
-    def bucket_blocks(self, layout) -> list:
-        """The bucket's chunks as blocks of rows of one width, built once per layout: every full chunk
-        of every tensor in one block, then each width of the tensors' shorter last chunks in one:
-        (each row's start in the bucket (R,) on the device, width, k)."""
-        cached = _BLOCKS.setdefault(layout, {})
+    def bucket_plan(self, layout) -> "_ChunkPlan":
+        """The bucket's chunks as two blocks of rows, built once per layout (:class:`_ChunkPlan`)."""
+        cached = _PLANS.setdefault(layout, {})
         if (self.chunk, self.density) not in cached:
-            by_width: dict = {}
-            for offset, n in zip(layout.offsets, layout.numels):
-                full, rest = divmod(n, self.chunk)
-                by_width.setdefault(self.chunk, []).extend(range(offset, offset + full * self.chunk, self.chunk))
-                if rest:
-                    by_width.setdefault(rest, []).append(offset + full * self.chunk)
-            cached[(self.chunk, self.density)] = [
-                (torch.tensor(starts, dtype=torch.int64, device=layout.device), width, self.kept_of(width))
-                for width, starts in by_width.items() if starts]
+            cached[(self.chunk, self.density)] = _ChunkPlan(layout, self.chunk, self.kept_of)
         return cached[(self.chunk, self.density)]
 
     def bucket_index_dtype(self, layout) -> torch.dtype:
         return index_dtype(min(self.chunk, max(layout.numels, default=0)))
 
     def bucket_exchange(self, p, b):
-        """e = beta e + p and C(e) as in :meth:`exchange`, each chunk of each tensor a row: one topk for
-        every full chunk of the bucket and one for each width of the tensors' last, shorter ones
-        (:meth:`bucket_blocks`).  Wire: the
-        bucket's chunks' levels (fp32 lo, hi each), its K codes packed four per byte by tensor
+        """e = beta e + p and C(e) as in :meth:`exchange`, each chunk of each tensor a row: one ``topk``
+        for every full chunk of the bucket and one for all the tensors' last, shorter ones, padded to
+        the longest (:class:`_ChunkPlan`); decoding is the same few operations whatever the bucket holds.
+        Wire: the bucket's chunks' levels (fp32 lo, hi each), its K codes packed four per byte by tensor
         operations, and K chunk-local indices in the smallest dtype that addresses min(chunk, the
         largest tensor's n) positions."""
         layout = b.layout
         old = b.get(self.state_key)
         e = torch.clone(p) if old is None else torch.mul(old, times_scale(self.decay, b.scale)).add_(p)
-        blocks = self.bucket_blocks(layout)
-        encoded = [self._encode_block(e, starts, width, k) for starts, width, k in blocks]
-        empty = e.new_empty(0)
-        levels = torch.cat([lv for lv, _, _ in encoded]) if encoded else empty
-        codes = torch.cat([c for _, c, _ in encoded]) if encoded else empty.to(torch.uint8)
-        local = torch.cat([i.reshape(-1) for _, _, i in encoded]) if encoded else empty.long()
+        plan = self.bucket_plan(layout)
+        levels, codes, local = plan.encode(e)
         gathered = yield AllGather((levels, _pack2(codes), local.to(self.bucket_index_dtype(layout))))
         total = torch.zeros(layout.numel, dtype=torch.float32, device=p.device)
         own = None
         for rank, fields in enumerate(gathered):  # rank order: identical float sums on every rank
-            idx, values = self.bucket_decode(fields, blocks, codes.numel())
+            idx, values = plan.decode(fields)
             total.index_add_(0, idx, values)
             if rank == b.rank:
                 own = (idx, values)
@@ -197,37 +187,88 @@ class SparseLoCo(Compressor):
         b.set(self.state_key, unscale_(e, b.scale))
         return Exchanged(total.div_(b.world_size), sparse=own)
 
-    @staticmethod
-    def _encode_block(e: torch.Tensor, starts: torch.Tensor, width: int, k: int) -> tuple:
-        """:meth:`encode_rows` of the chunks of ``e`` (flat) starting at ``starts``, each ``width`` long:
-        the rows copied out (one gather), their |e| taken in place, the kept values read from ``e``."""
-        rows = e.unfold(0, width, 1).index_select(0, starts)
-        local = torch.topk(rows.abs_(), k, dim=1, sorted=False).indices
-        values = e.index_select(0, (local + starts.view(-1, 1)).view(-1)).view(-1, k)
-        return (*SparseLoCo.encode_values(values, k), local)
-
-    def bucket_decode(self, fields: tuple, blocks: list, kept: int) -> tuple:
-        """(unique int64 positions in the bucket, float32 values) of one rank's bucket payload."""
-        levels, packed, idx = fields
-        codes = _unpack2(packed, kept).long()
-        levels = levels.view(-1, 2)
-        positions, values = [], []
-        row = at = 0
-        for starts, width, k in blocks:
-            rows = starts.numel()
-            c = codes[at:at + rows * k].view(rows, k)
-            magnitude = levels[row:row + rows].gather(1, c >> 1)
-            values.append(torch.where((c & 1).bool(), -magnitude, magnitude).reshape(-1))
-            positions.append((idx[at:at + rows * k].view(rows, k).long() + starts.view(-1, 1)).reshape(-1))
-            row, at = row + rows, at + rows * k
-        if not positions:
-            return idx.long(), levels.new_empty(0)
-        return torch.cat(positions), torch.cat(values)
-
     def bucket_payload_bytes(self, layout):
         chunks = sum(-(-n // self.chunk) for n in layout.numels)
         k = sum(self.kept(n) for n in layout.numels)
         return 8 * chunks + packed_nbytes(k, 2) + k * self.bucket_index_dtype(layout).itemsize
+
+
+class _ChunkPlan:
+    """SparseLoCo's chunks of a bucket as rows, with device tensors built once per layout, chunk and
+    density: every full chunk of every tensor a row of one block (``full_starts``: each row's start),
+    and every tensor's last, shorter chunk a row of a second block padded to W, the longest of them or
+    ``columns`` if more (``short_positions``: each row's W elements' positions, a pad pointing at its
+    row's start; ``pad``).  A padded row ranks its pads at -1, below every |e|, and sorts what it
+    keeps, so a row's first k are its k largest: one ``topk`` for all short chunks, however many widths
+    they have.  Both blocks' kept values then form one (rows, ``columns``) block for the quantiser:
+    ``k``, each row's k (an int where every row is a full chunk, else int64 per row); ``unkept``, the
+    entries past a row's k, and ``keep``, the flat positions of the others (None where none is past).
+
+    Per kept entry, in wire order (the full chunks' rows, then the short ones', k entries each):
+    ``entry_start``, its chunk's start (int64: position = index + start), and ``entry_level``, twice
+    its chunk's row (int32: its level is ``levels[entry_level + large]``).  ``kept``: K, in all.
+    """
+
+    def __init__(self, layout, chunk: int, kept_of):
+        full, short = [], []
+        for offset, n in zip(layout.offsets, layout.numels):
+            whole, rest = divmod(n, chunk)
+            full.extend(range(offset, offset + whole * chunk, chunk))
+            if rest:
+                short.append((offset + whole * chunk, rest))
+        device = layout.device
+        self.chunk = chunk
+        rows = [(start, chunk) for start in full] + short
+        ks = [kept_of(width) for _, width in rows]
+        self.columns = max(ks, default=0)  # a full chunk's k where there is one: no short chunk keeps more
+        self.full_starts = torch.tensor(full, dtype=torch.int64, device=device).view(-1, 1) if full else None
+        self.short_positions = None
+        if short:
+            width = max(self.columns, *(w for _, w in short))
+            self.short_positions = torch.tensor([s + (j if j < w else 0) for s, w in short for j in range(width)],
+                                                dtype=torch.int64, device=device)
+            self.pad = torch.tensor([[j >= w for j in range(width)] for _, w in short], device=device)
+        kept = [[j < k for j in range(self.columns)] for k in ks]
+        if all(map(all, kept)):
+            self.k, self.unkept, self.keep = (ks[0] if ks else 0), None, None
+        else:
+            self.k = torch.tensor(ks, dtype=torch.int64, device=device)
+            self.unkept = ~torch.tensor(kept, device=device)
+            self.keep = torch.tensor([i for i, yes in enumerate(v for row in kept for v in row) if yes],
+                                     dtype=torch.int64, device=device)
+        self.kept = sum(ks)
+        self.entry_start = torch.tensor([start for (start, _), k in zip(rows, ks) for _ in range(k)],
+                                        dtype=torch.int64, device=device)
+        self.entry_level = torch.tensor([2 * row for row, k in enumerate(ks) for _ in range(k)],
+                                        dtype=torch.int32, device=device)
+        self.empty = torch.empty(0, device=device)
+
+    def encode(self, e: torch.Tensor) -> tuple:
+        """(the chunks' fp32 levels, lo and hi each; the K 2-bit codes, one per byte; the K chunk-local
+        indices, int64) of the flat bucket ``e``."""
+        if not self.kept:
+            return self.empty, self.empty.to(torch.uint8), self.empty.long()
+        values, local = [], []
+        if self.full_starts is not None:  # each full chunk's row copied out (one gather), |e| taken in place
+            rows = e.unfold(0, self.chunk, 1).index_select(0, self.full_starts.view(-1))
+            local.append(torch.topk(rows.abs_(), self.columns, dim=1, sorted=False).indices)
+            values.append(e.index_select(0, (local[0] + self.full_starts).view(-1)).view(local[0].shape))
+        if self.short_positions is not None:
+            rows = e.index_select(0, self.short_positions).view(self.pad.shape)  # a pad: a copy of its row's first
+            local.append(torch.topk(rows.abs().masked_fill_(self.pad, -1.0), self.columns, dim=1).indices)
+            values.append(rows.gather(1, local[-1]))  # sorted: its first k are a row's k largest, pads after
+        values, local = (torch.cat(parts) if len(parts) > 1 else parts[0] for parts in (values, local))
+        levels, codes = SparseLoCo.encode_values(values, self.k, self.unkept)
+        if self.keep is None:
+            return levels, codes, local.view(-1)
+        return levels, codes.index_select(0, self.keep), local.view(-1).index_select(0, self.keep)
+
+    def decode(self, fields: tuple) -> tuple:
+        """(unique int64 positions in the bucket, float32 values) of one rank's bucket payload."""
+        levels, packed, idx = fields
+        codes = _unpack2(packed, self.kept)
+        magnitude = levels.index_select(0, self.entry_level + (codes >> 1))
+        return idx.long() + self.entry_start, torch.where((codes & 1).bool(), -magnitude, magnitude)
 
 
 def _pack2(codes: torch.Tensor) -> torch.Tensor:
@@ -244,8 +285,8 @@ def _unpack2(packed: torch.Tensor, n: int) -> torch.Tensor:
     return ((packed.unsqueeze(1) >> _shifts2(packed.device)) & 3).view(-1)[:n]
 
 
-#: Per bucket layout: SparseLoCo's blocks by (chunk, density) (see SparseLoCo.bucket_blocks).
-_BLOCKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+#: Per bucket layout: SparseLoCo's plans by (chunk, density) (see SparseLoCo.bucket_plan).
+_PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 @functools.lru_cache(maxsize=8)
