@@ -447,6 +447,19 @@ def _halves(x: torch.Tensor):
     return words[0::2], words[1::2]
 
 
+@fused(min_numel=1)
+def _counter_uniforms(like, seed):
+    """:func:`counter_uniforms` in one kernel (``like``: any int32 tensor of the draws' length, unread),
+    where eagerly it launches a dozen, each a pass over the draws."""
+    return counter_uniforms(like, seed)
+
+
+@fused(min_numel=1)
+def _counter_hashes(like, seed):
+    """:func:`counter_hashes` in one kernel, as :func:`_counter_uniforms`."""
+    return counter_hashes(like, seed)
+
+
 def uniforms_from(like: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
     """A kernel's uniforms: :func:`counter_uniforms` of ``draws`` when it is a 0-d seed, else ``draws``
     itself (uniforms already drawn, one per element; torch.compile specialises on which)."""

@@ -41,6 +41,8 @@ CASES = [
     ("sketch", {"ratio": 0.05, "rows": 3, "width": 2.0}, ("_sketch_bucket", "_sketch_magnitude")),
     ("fp16", {"feedback": "residual"}, ("_half_share", "_half_residual")),
     ("bf16", {"feedback": "residual"}, ("_half_share", "_half_residual")),
+    ("dgc", {"min_numel": 0, "ratio": 0.1, "warmup_epochs": 0}, ("_counter_uniforms", "_dgc_thresholds", "_dgc_selected")),
+    ("randomk", {"ratio": 0.3}, ("_counter_hashes",)),
 ]
 QUANTISERS = ("qsgd", "terngrad", "natural")
 IDS = [f"{m}-{'-'.join(f'{k}={v}' for k, v in p.items())}" for m, p, _ in CASES]

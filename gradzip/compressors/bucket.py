@@ -21,7 +21,7 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from .. import kernels
+from .. import devices, kernels
 from .base import StagedContext, _stable_hash
 
 __all__ = ["BucketLayout", "BucketContext", "SizeClass", "strided_at", "segment_of", "pack_signs", "unpack_signs", "signed_", "bits_of",
@@ -246,6 +246,9 @@ class BucketContext(StagedContext):
 
     def uniforms(self, n: int, *, shared: bool = True, salt: str = "") -> torch.Tensor:
         """n float32 draws in [0, 1) on the bucket's device (see :meth:`draw_seed`)."""
+        drawn = self._drawn(kernels._counter_uniforms, n, shared, salt)
+        if drawn is not None:
+            return drawn
         like = torch.empty((), device=self.layout.device).expand(n)  # only its length is read: no n-element buffer
         return kernels.counter_uniforms(like, self.draw_seed(shared=shared, salt=salt))
 
@@ -257,8 +260,19 @@ class BucketContext(StagedContext):
     def hashes(self, n: int, *, shared: bool = True, salt: str = "") -> torch.Tensor:
         """n distinct int32 keys, uniformly ordered, on the bucket's device: :meth:`uniforms` before its
         conversion to floats (four operations less, and no ties)."""
+        drawn = self._drawn(kernels._counter_hashes, n, shared, salt)
+        if drawn is not None:
+            return drawn
         like = torch.empty((), device=self.layout.device).expand(n)
         return kernels.counter_hashes(like, self.draw_seed(shared=shared, salt=salt))
+
+    def _drawn(self, kernel, n: int, shared: bool, salt: str) -> Optional[torch.Tensor]:
+        """``kernel``'s n draws where it runs compiled ahead (the same bits as its eager code, in one
+        launch instead of a dozen); None where it does not (yet)."""
+        if not (devices.runs_kernels_ahead(self.layout.device) and kernel.wanted(n)):
+            return None  # no seed tensor made for nothing
+        like = torch.empty(n, dtype=torch.int32, device=self.layout.device)  # unread: a bare allocation
+        return kernel.ahead(like, self.kernel_seed(shared=shared, salt=salt))
 
 
 def segment_of(n: int, starts: torch.Tensor, device: torch.device) -> torch.Tensor:

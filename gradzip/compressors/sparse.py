@@ -913,15 +913,16 @@ class DGC(MaskedBucket, Sparsifier):
         """:meth:`_bucket_mask`'s selection, from the bucket's |v|."""
         layout = b.layout
         sample, short = plan.sorted(absp, b.uniforms(len(layout), shared=False, salt="dgc"))
-        lower = sample.take(torch.where(short, plan.ranks_short, plan.ranks_full))  # (retries + 1, tensors)
-        thresholds = _retry_thresholds(lower).clamp_min_(_TINY)  # zeros are never sent (see _at_least)
+        thresholds = _dgc_thresholds.ahead(sample, short, *plan.ranks_short, *plan.ranks_full)
+        if thresholds is None:
+            thresholds = _thresholds(sample, short, plan.ranks_short, plan.ranks_full)
         index = layout.segment_index()  # one int32 index spreads every per-tensor quantity below
-        counts = _counts_at_least(absp, thresholds, plan, index)
-        first = (counts >= plan.enough).byte().argmax(0, keepdim=True)  # enough is -inf at the last retry
-        candidates = absp >= thresholds.gather(0, first).view(-1).index_select(0, index)
-        too_many = (counts.gather(0, first).view(-1) > plan.k).index_select(0, index)
-        del index
-        return torch.where(too_many, _class_top_k(absp, layout, plan), candidates)
+        counts = _counts_at_least(absp, thresholds, plan, index)  # (retries + 1, tensors), a transposed view
+        top = _class_top_k(absp, layout, plan)
+        selected = _dgc_selected.ahead(absp, counts.T, thresholds, plan.enough, plan.k, index, top)
+        if selected is None:
+            selected = _selected(absp, counts.T, thresholds, plan.enough, plan.k, index, top)
+        return selected
 
     def bucket_payload_bytes(self, layout, kept: Optional[int] = None) -> int:
         whole = sum(n for n, shape in zip(layout.numels, layout.shapes) if not _compressed(shape, self.min_numel))
@@ -1088,6 +1089,41 @@ def _retry_thresholds(lower: torch.Tensor) -> torch.Tensor:
         half = thresholds[-1] / 2
         thresholds.append(torch.where(value < thresholds[-1], torch.maximum(value, half), half))
     return torch.stack(thresholds)
+
+
+def _thresholds(sample, short, ranks_short, ranks_full) -> torch.Tensor:
+    """Each retry's threshold (rows) per tensor (columns) from the samples sorted by
+    :meth:`_SamplePlan.sorted` and the slots of their ranked values (a short sample's where it is
+    short): :func:`_retry_thresholds`, at least the smallest positive float (zeros are never sent)."""
+    return _retry_thresholds(sample.take(torch.where(short, ranks_short, ranks_full))).clamp_min_(_TINY)
+
+
+@kernels.fused(min_numel=1)
+def _dgc_thresholds(sample, short, *ranks):
+    """:func:`_thresholds` in one kernel (a dozen operations on a few values each, launched one by one),
+    each retry's row of ranks short, then each one's full, an argument of its own: their number is
+    fixed in the kernel, where every dimension of a tensor is compiled as of any size."""
+    retries = len(ranks) // 2
+    return _thresholds(sample, short, torch.stack(ranks[:retries]), torch.stack(ranks[retries:]))
+
+
+def _selected(absp, counts_by_tensor, thresholds, enough, k, index, top) -> torch.Tensor:
+    """DGC's selection as a bool over the bucket: per tensor, the first retry's threshold that at least
+    ``enough`` pass (the last where none does: ``enough`` is -inf there), and where more than k pass
+    it, the tensor's exact top k (``top``) instead; ``counts_by_tensor``: how many pass each threshold
+    (tensors, retries + 1); ``index``: each element's tensor."""
+    counts = counts_by_tensor.T
+    first = (counts >= enough).byte().argmax(0, keepdim=True)
+    candidates = absp >= thresholds.gather(0, first).view(-1).index_select(0, index)
+    too_many = (counts.gather(0, first).view(-1) > k).index_select(0, index)
+    return torch.where(too_many, top, candidates)
+
+
+@kernels.fused(min_numel=1)
+def _dgc_selected(absp, counts_by_tensor, thresholds, enough, k, index, top):
+    """:func:`_selected` in one pass over the bucket (no bool of the candidates, none of the tensors
+    with too many)."""
+    return _selected(absp, counts_by_tensor, thresholds, enough, k, index, top)
 
 
 def _counts_at_least(absp: torch.Tensor, thresholds: torch.Tensor, plan: _DGCPlan,
