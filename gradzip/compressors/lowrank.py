@@ -238,19 +238,15 @@ class PowerSGD(Compressor):
             return _orthogonalized_together(fresh, self.epsilon)
         sizes = {i: m * r for n, m, r, members in classes for i in members}
         starts = dict(zip(sorted(sizes), itertools.accumulate([0] + [sizes[i] for i in sorted(sizes)])))  # key order
-        qs = None
-        held = []
-        for n, m, r, members in classes:
-            view = strided_at(kept, [starts[i] for i in members], (m, r))
-            if view is None:  # kept bases of one shape not equally spaced: stacked, from one split
-                qs = qs or dict(zip(sorted(sizes), torch.split(kept, [sizes[i] for i in sorted(sizes)])))
-                view = torch.stack([qs[i] for i in members]).view(-1, m, r)
-            held.append(view)
+        drawn_at = list(itertools.accumulate([0] + counts))  # each class's draws in normal
         bases = {}
-        for group in _by_rank(held):  # every class of one r at once
-            q, views = _padded([held[c] for c in group])
+        for group in _by_rank(fresh):  # every class of one r at once, gathered from the kept state
+            rows, r = [classes[c][1] for c in group], classes[group[0]][2]
+            q, views = _padded_at([kept], [[starts[i] for i in classes[c][3]] for c in group], rows, r)
+            drawn, _ = _padded_at([normal], [range(drawn_at[c], drawn_at[c + 1], rows[j] * r) for j, c in enumerate(group)],
+                                  rows, r)
             usable = (torch.linalg.vector_norm(q, dim=1) > 0).all(1).view(-1, 1, 1)
-            _orthogonalize_(torch.where(usable, q, _padded([fresh[c] for c in group])[0], out=q), self.epsilon)
+            _orthogonalize_(torch.where(usable, q, drawn, out=q), self.epsilon)
             bases.update(zip(group, views))
         return [bases[c] for c in range(len(classes))]
 
@@ -303,13 +299,48 @@ def _padded(batches: list) -> tuple:
     if len(batches) == 1:
         padded = batches[0].clone()
         return padded, [padded]
-    padded = batches[0].new_zeros(sum(a.shape[0] for a in batches), max(a.shape[1] for a in batches), batches[0].shape[2])
-    views, at = [], 0
+    starts, at = [], 0
     for a in batches:
-        views.append(padded[at:at + a.shape[0], :a.shape[1]])
-        views[-1].copy_(a)
-        at += a.shape[0]
+        starts.append(range(at, at + a.numel(), a.shape[1] * a.shape[2]))
+        at += a.numel()
+    return _padded_at([a.reshape(-1) for a in batches], starts, [a.shape[1] for a in batches], batches[0].shape[2])
+
+
+def _padded_at(sources: list, starts: list, rows: list, r: int) -> tuple:
+    """:func:`_padded` of batches of matrices read from the 1-D ``sources`` laid end to end: batch i's
+    matrices have ``rows[i]`` rows of r, each row-major from its position in ``starts[i]``.  One gather
+    (and the concatenation of the sources, where there are several), by an index built once per
+    layout, where a copy of each batch into a zeroed stack would take an operation per batch (and a
+    batch read at a stride, a copy more)."""
+    first = sources[0]
+    total = sum(source.numel() for source in sources)
+    index, zero = _pad_index(tuple(tuple(at) for at in starts), tuple(rows), r, total, first.device, first.dtype)
+    padded = torch.cat([*sources, zero]).index_select(0, index).view(-1, max(rows), r)
+    views, at = [], 0
+    for members, n in zip(starts, rows):
+        views.append(padded[at:at + len(members), :n])
+        at += len(members)
     return padded, views
+
+
+_PAD_INDICES: dict = {}
+
+
+def _pad_index(starts: tuple, rows: tuple, r: int, total: int, device: torch.device, dtype: torch.dtype) -> tuple:
+    """For :func:`_padded_at`: each element of the padded stack, its position in the sources laid end
+    to end (``total`` elements), or the zero after them (below a matrix's rows); and that zero (one
+    element, read only)."""
+    key = (starts, rows, r, total, device, dtype)
+    if key not in _PAD_INDICES:
+        height = max(rows)
+        within = torch.arange(height * r).view(height, r)  # an element's place in a row-major matrix
+        parts = [torch.where(within < n * r, torch.tensor(members).view(-1, 1, 1) + within, total).view(-1)
+                 for members, n in zip(starts, rows)]
+        index = torch.cat(parts).to(device)
+        if len(_PAD_INDICES) >= 64:  # a model's few layouts; bounded all the same
+            _PAD_INDICES.clear()
+        _PAD_INDICES[key] = (index, torch.zeros(1, dtype=dtype, device=device))
+    return _PAD_INDICES[key]
 
 
 def _orthogonalize_(a: torch.Tensor, epsilon: float) -> torch.Tensor:
