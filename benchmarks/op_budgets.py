@@ -10,8 +10,7 @@ inside the exchange, and the host reads among them: what would wait for a GPU).
     python benchmarks/op_budgets.py --gpt 1024x8 --routes bucket   # per bucket of the GPU bench's model
 
 ``--ahead`` counts the bucket route as a GPU runs it once its kernels are compiled ahead (a GPU's form
-of ``devices.runs_kernels_ahead``, every kernel's threshold lowered to one element, the packages waited
-for before the counted step: a compile, tens of seconds, for each one the cache lacks; a kernel counts as
+of ``devices.runs_kernels_ahead``, the packages waited for before the counted step: a compile, tens of seconds, for each one the cache lacks; a kernel counts as
 one operation).
 
 ``--gpt WIDTHxDEPTH`` instead counts one step of ``gradzip bench step``'s GPT (context 256, vocabulary
@@ -94,8 +93,6 @@ def main() -> None:
         global AHEAD
         AHEAD = True
         devices.runs_kernels_ahead = lambda where: True
-        for kernel in kernels.KERNELS:
-            kernel.min_numel = 1
     routes = [route == "bucket" for route in args.routes.split(",")]
     store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)

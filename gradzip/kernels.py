@@ -13,7 +13,7 @@ bit for bit (random draws come in as tensors, from the same private generators).
   that save little per element, such as sign packing); smaller tensors keep the reference path.
 - The bucket route cannot wait seconds in a user's step, so it takes its kernels compiled ahead
   (:meth:`Kernel.ahead`, :mod:`gradzip.ahead`): once per machine, in a process of their own, loaded
-  when ready; until then the reference path runs.  They are compiled with eager numerics, so a kernel
+  when ready; until then the reference path runs.  Those run on buckets of every size (``ahead_numel``).  They are compiled with eager numerics, so a kernel
   and its reference path agree bit for bit and it does not matter at which step each rank switches.
 - ``GRADZIP_FUSED=0`` in the environment forces the reference path.
 - If compiling or running a kernel fails (no C++ compiler, an Inductor error), gradzip warns once with
@@ -165,6 +165,10 @@ class Kernel:
         self._compiled: dict = {}
         self._ahead: dict = {}  # (constants, form) -> its ahead.Package, or _PENDING while queued
         self.failed_ahead: Optional[str] = None  # why this kernel's compile ahead failed
+        #: The least elements (of its largest argument) on which :meth:`ahead` runs the kernel: one
+        #: package serves every size and its compile is paid once per machine, not in a step, so no
+        #: bucket is too small for it (a launch or two where the reference path takes dozens).
+        self.ahead_numel = 1
         KERNELS.append(self)
 
     def __call__(self, *args, **static):
@@ -192,28 +196,30 @@ class Kernel:
             _disable(exc)
             return None
 
-    def wanted(self, numel: int) -> bool:
+    def wanted(self, numel: int, where) -> bool:
         """Whether :meth:`ahead` would take (or queue) the kernel for a largest argument of ``numel``
-        elements: at least ``min_numel``, neither kernels nor this kernel's compile ahead failed, and
-        kernels not switched off."""
-        return (numel >= self.min_numel and _failure is None and self.failed_ahead is None
-                and os.environ.get("GRADZIP_FUSED", "1") != "0")
+        elements on ``where`` (a tensor or device): its device runs kernels compiled ahead
+        (:func:`gradzip.devices.runs_kernels_ahead`), at least ``ahead_numel`` elements (one: every
+        bucket that is not empty), neither kernels nor this kernel's compile ahead failed, and kernels
+        not switched off.  A caller asks before making what only the kernel would take (a seed)."""
+        return (numel >= self.ahead_numel and devices.runs_kernels_ahead(where) and _failure is None
+                and self.failed_ahead is None and os.environ.get("GRADZIP_FUSED", "1") != "0")
 
     def ahead(self, *args, **static):
         """The kernel's result where it has been compiled ahead (:mod:`gradzip.ahead`) for the form of
         ``args`` (contiguous tensors: their dtypes, kind of device and which dimensions are 0, 1 or
         equal); else None, the caller taking its reference path, and the first such call queues the
         package's loading (or compiling, in a child process) on a background thread.  No compile lands
-        in the caller's step or process.  None too under ``min_numel``, where the device's form says
+        in the caller's step or process.  None too under ``ahead_numel``, where the device's form says
         kernels compiled ahead do not pay (:func:`gradzip.devices.runs_kernels_ahead`), and once this
         kernel's compile failed."""
-        if not self.wanted(max(a.numel() for a in args if isinstance(a, torch.Tensor))):
+        if not self.wanted(max(a.numel() for a in args if isinstance(a, torch.Tensor)), args[0]):
             return None
         modes = _python_dispatch._get_current_dispatch_mode_stack()
         if not all(getattr(mode, "sees_fused_kernels", False) for mode in modes):
             return None  # a dispatch mode of the caller's would see none of the kernel's work: its reference path
         shapes = ahead.form(args)
-        if shapes is None or not devices.runs_kernels_ahead(args[0]):
+        if shapes is None:
             return None
         key = (tuple(sorted(static.items())), shapes, args[0].device)  # a package is loaded for one device
         with _AHEAD_LOCK:

@@ -4,8 +4,8 @@ A bucket's first exchange for a kernel's form queues the loading of its package 
 process where the machine's cache has none) and takes the reference path; later exchanges run it.  The
 kernel and the reference path agree bit for bit (aggregates and error-feedback state; up to the order of
 float sums for a kernel that scatters), so it does not matter at which step each rank switches; no compile runs in the process; a dispatch mode of the
-caller's gets the reference path; a failing compile warns once and leaves the reference path for good.  The thresholds are lowered to one
-element for the kernels under test (the default, 2^20 elements, would make the buckets here large).
+caller's gets the reference path; a failing compile warns once and leaves the reference path for good.  Every bucket
+size takes them (``Kernel.ahead_numel``, one element); a test raises it to get a reference path.
 """
 from __future__ import annotations
 
@@ -93,10 +93,10 @@ def compare_with_reference(method, params, names, monkeypatch, device="cpu", ste
     fused = [kernel_named(name) for name in names]
     for kernel in fused:
         monkeypatch.setattr(kernel, "_ahead", {})  # what this process loaded before: not from this session's cache
-        monkeypatch.setattr(kernel, "min_numel", 1 << 40)
+        monkeypatch.setattr(kernel, "ahead_numel", 1 << 40)
     want, reference = exchanges(method, params, steps, device)
     for kernel in fused:
-        monkeypatch.setattr(kernel, "min_numel", 1)
+        monkeypatch.setattr(kernel, "ahead_numel", 1)
     exchanges(method, params, 2, device)  # queues the compiles (a residual's from the second step on)
     kernels.settle()
     ran = {kernel.__name__: ran_ahead(kernel, monkeypatch) for kernel in fused}
@@ -156,7 +156,7 @@ def test_the_compile_runs_in_a_child_while_exchanges_go_on(monkeypatch, tmp_path
     in it, which PyTorch's optimizers and DDP branch on), and the package serves the exchanges after."""
     monkeypatch.setenv("GRADZIP_KERNEL_CACHE", str(tmp_path))
     kernel = quantize._qsgd_bucket_encode
-    monkeypatch.setattr(kernel, "min_numel", 1)
+    monkeypatch.setattr(kernel, "ahead_numel", 1)
     monkeypatch.setattr(kernel, "_ahead", {})
     release, spawned = threading.Event(), []
     spawn = ahead.spawn
@@ -178,7 +178,7 @@ def test_the_compile_runs_in_a_child_while_exchanges_go_on(monkeypatch, tmp_path
     assert ran == [False, False] and spawned == ["gradzip-ahead"] and not compiling
     again, _ = exchanges("qsgd", {}, 2)
     assert ran[2:] == [True, True]
-    monkeypatch.setattr(kernel, "min_numel", 1 << 40)
+    monkeypatch.setattr(kernel, "ahead_numel", 1 << 40)
     want, _ = exchanges("qsgd", {}, 2)
     assert all(torch.equal(g, w) for g, w in zip(got + again, want + want))
 
@@ -187,7 +187,7 @@ def test_a_package_in_the_cache_is_loaded_not_compiled(monkeypatch):
     """Compiled once per machine: a process that finds the package (here, a kernel that forgot what it
     loaded) loads it without a child."""
     kernel = quantize._natural_encode
-    monkeypatch.setattr(kernel, "min_numel", 1)
+    monkeypatch.setattr(kernel, "ahead_numel", 1)
     monkeypatch.setattr(kernel, "_ahead", {})
     exchanges("natural", {}, 1)  # loaded from the session's cache, or compiled into it
     kernels.settle()
@@ -314,7 +314,7 @@ def test_a_callers_dispatch_mode_gets_the_reference_path(monkeypatch):
     the reference path runs (and nothing is switched off); gradzip's counters see the kernel as one
     operation and its result's storage."""
     kernel = quantize._qsgd_bucket_encode
-    monkeypatch.setattr(kernel, "min_numel", 1)
+    monkeypatch.setattr(kernel, "ahead_numel", 1)
     exchanges("qsgd", {}, 1)
     kernels.settle()
 
@@ -346,11 +346,10 @@ def test_fused_kernels_cut_the_bucket_route_launches(monkeypatch):
     """Counted on CPU: with error feedback, the quantisers' encoding and residual are one operation each
     once compiled, at least 28 operations fewer per bucket than their reference paths dispatch."""
     for method, params, names in [case for case in CASES if case[0] in QUANTISERS and len(case[2]) == 2]:
-        fused = [kernel_named(name) for name in names]
         counts = []
         for threshold in (1 << 40, 1):
-            for kernel in fused:
-                monkeypatch.setattr(kernel, "min_numel", threshold)
+            for kernel in kernels.KERNELS:  # the counter's draws of the reference path too
+                monkeypatch.setattr(kernel, "ahead_numel", threshold)
             exchanges(method, params, 2)
             kernels.settle()
             state = GradzipState(method, bucketed=True, **params)
@@ -372,7 +371,7 @@ def test_the_sketch_kernels_cut_its_launches(monkeypatch):
     for threshold, piece in ((1 << 40, 1 << 16), (1 << 40, 100), (1, 100)):
         monkeypatch.setattr(sketch, "_MIN_PIECE", piece)
         for kernel in map(kernel_named, names):
-            monkeypatch.setattr(kernel, "min_numel", threshold)
+            monkeypatch.setattr(kernel, "ahead_numel", threshold)
         exchanges(method, params, 1)
         kernels.settle()
         state = GradzipState(method, bucketed=True, **params)
@@ -404,7 +403,7 @@ def test_an_unordered_kernel_is_checked_at_float_tolerance():
 def test_a_failing_compile_warns_once_and_keeps_the_reference_path(monkeypatch, tmp_path):
     monkeypatch.setenv("GRADZIP_KERNEL_CACHE", str(tmp_path))
     kernel = quantize._terngrad_bucket_encode
-    monkeypatch.setattr(kernel, "min_numel", 1)
+    monkeypatch.setattr(kernel, "ahead_numel", 1)
     monkeypatch.setattr(kernel, "_ahead", {})
 
     def no_compiler(argv):
@@ -421,20 +420,23 @@ def test_a_failing_compile_warns_once_and_keeps_the_reference_path(monkeypatch, 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         again, _ = exchanges("terngrad", {}, 2)
-    assert not any(ran) and not kernel.wanted(1 << 30)
-    monkeypatch.setattr(kernel, "min_numel", 1 << 40)
+    assert not any(ran) and not kernel.wanted(1 << 30, "cpu")
+    monkeypatch.setattr(kernel, "ahead_numel", 1 << 40)
     want, _ = exchanges("terngrad", {}, 2)
     assert torch.equal(got[0], want[0]) and all(torch.equal(g, w) for g, w in zip(again, want))
 
 
-def test_switched_off_and_small_buckets_queue_nothing(monkeypatch):
+def test_switched_off_queues_nothing_and_a_small_bucket_queues_its_kernel(monkeypatch):
+    """GRADZIP_FUSED=0 keeps the reference paths; otherwise a bucket of any size takes the kernels
+    (here some 3,000 elements: the per-tensor route's threshold, 2^20, does not apply to them)."""
     kernel = quantize._natural_encode
     monkeypatch.setattr(kernel, "_ahead", {})
-    exchanges("natural", {}, 1)  # the default threshold, 2^20 elements, is above this bucket
-    monkeypatch.setattr(kernel, "min_numel", 1)
     monkeypatch.setenv("GRADZIP_FUSED", "0")
     exchanges("natural", {}, 1)
     assert kernel._ahead == {}
+    monkeypatch.delenv("GRADZIP_FUSED")
+    exchanges("natural", {}, 1)
+    assert kernel.ahead_numel == 1 and len(kernel._ahead) == 1
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")

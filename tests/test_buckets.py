@@ -345,8 +345,9 @@ def test_no_kernel_compiles_in_a_bucket_exchange(monkeypatch):
     """A fused kernel's first compile takes seconds: the bucket route takes only kernels compiled ahead
     (``Kernel.ahead``, tests/test_ahead_kernels.py), never one compiled on its first call (``run``), even
     where the thresholds would let the kernels run (the per-tensor route then runs them)."""
-    from gradzip import kernels
+    from gradzip import devices, kernels
 
+    monkeypatch.setattr(devices, "runs_kernels_ahead", lambda where: True)  # a GPU's form: kernels ahead asked for
     monkeypatch.setattr(kernels, "MIN_NUMEL", 1)
     monkeypatch.setattr(kernels, "LARGE_NUMEL", 1)
     calls, ahead = [], []
@@ -357,7 +358,7 @@ def test_no_kernel_compiles_in_a_bucket_exchange(monkeypatch):
     for name in ("signsgd", "qsgd", "efsignsgd", "onebit", "natural", "terngrad", "threshold"):
         GradzipState(name, bucketed=True).exchange(_bucket()[1])
     assert not calls and set(ahead) == {"_qsgd_bucket_encode", "_natural_encode", "_terngrad_bucket_encode",
-                                        "_bucket_sign_bits", "_bucket_trits"}
+                                        "_bucket_sign_bits", "_bucket_trits", "_counter_uniforms"}
     GradzipState("efsignsgd", bucketed=False).exchange(_bucket()[1])  # its kernels may return None
     assert calls
 

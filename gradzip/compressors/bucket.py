@@ -269,7 +269,7 @@ class BucketContext(StagedContext):
     def _drawn(self, kernel, n: int, shared: bool, salt: str) -> Optional[torch.Tensor]:
         """``kernel``'s n draws where it runs compiled ahead (the same bits as its eager code, in one
         launch instead of a dozen); None where it does not (yet)."""
-        if not (devices.runs_kernels_ahead(self.layout.device) and kernel.wanted(n)):
+        if not kernel.wanted(n, self.layout.device):
             return None  # no seed tensor made for nothing
         like = torch.empty(n, dtype=torch.int32, device=self.layout.device)  # unread: a bare allocation
         return kernel.ahead(like, self.kernel_seed(shared=shared, salt=salt))

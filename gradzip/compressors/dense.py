@@ -118,14 +118,14 @@ class _HalfCast(SummableCompressor):
         kernel each where they are compiled ahead."""
         world = b.world_size
         payload = None
-        if _half_share.wanted(p.numel()):
+        if _half_share.wanted(p.numel(), p):
             dtype = str(self.half_dtype).removeprefix("torch.")
             payload = _half_share.ahead(p, world=world, dtype=dtype, saturate=self.saturates)
         if payload is None:
             payload = _share_rounded(p, world, self.half_dtype, self.saturates)
         total = yield AllReduce(payload)
         residual = None
-        if _half_residual.wanted(p.numel()):
+        if _half_residual.wanted(p.numel(), p):
             residual = lambda q: _half_residual.ahead(q, payload, world=world)  # noqa: E731
         return Exchanged(total, lambda: payload.float().mul_(world), subtract_sent=residual)
 

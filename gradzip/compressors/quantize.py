@@ -423,7 +423,7 @@ class QSGD(GatheredCompressor):
             norms = layout.chunk_reduce(p.abs(), "max", self.bucket_size)
         scale = torch.where(norms > 0, s / norms, 0.0)  # s / ||v|| per chunk
         packed = None
-        if 8 % self._bits == 0 and _qsgd_bucket_encode.wanted(n):
+        if 8 % self._bits == 0 and _qsgd_bucket_encode.wanted(n, p):
             packed = _qsgd_bucket_encode.ahead(p, scale, layout.chunk_starts(self.bucket_size),
                                                b.kernel_seed(shared=False, salt="qsgd"), s=s, bits=self._bits)
         if packed is None:  # the kernel's reference path, one operation at a time
@@ -446,7 +446,7 @@ class QSGD(GatheredCompressor):
 
     def _residual_kernel(self, norms, packed, layout):
         """subtract_sent for error feedback: p - Q(p) by one kernel compiled ahead, where it is."""
-        if 8 % self._bits or not _bucket_residual.wanted(layout.numel):
+        if 8 % self._bits or not _bucket_residual.wanted(layout.numel, layout.device):
             return None
         return lambda p: _bucket_residual.ahead(p, _signed_level_bytes(self._bits, p.device), packed,
                                                 norms.float() / self.levels, layout.chunk_starts(self.bucket_size))
@@ -635,7 +635,7 @@ class TernGrad(Compressor):
         # the trits there are 0, so the aggregate, t * tiny, is still 0).
         s = s.clamp_min(torch.finfo(torch.float32).tiny)
         packed = None
-        if _terngrad_bucket_encode.wanted(n):
+        if _terngrad_bucket_encode.wanted(n, g):
             packed = _terngrad_bucket_encode.ahead(g, s, layout.tensor_starts, b.kernel_seed(shared=False, salt="terngrad"))
         if packed is None:  # the kernel's reference path, one operation at a time
             positive = g > 0
@@ -658,7 +658,7 @@ class TernGrad(Compressor):
         scale = layout.per_element(s)
         # N trits summed, times s: |sum| <= N max_i s_i, and the mean is at most that
         residual = None
-        if _bucket_residual.wanted(n):
+        if _bucket_residual.wanted(n, p):
             residual = lambda q: _bucket_residual.ahead(q, table, packed, s, layout.tensor_starts)  # noqa: E731
         return Exchanged(total.mul_(scale).div_(b.world_size),
                          lambda: lookup_codes(packed, table, n).mul_(scale),
@@ -813,7 +813,7 @@ class Natural(GatheredCompressor):
         summed in rank order (NaN where any rank sent 0x80).  Wire: the bucket's n codes, one byte
         each (allgathered): n bytes."""
         codes = None
-        if _natural_encode.wanted(p.numel()):  # the per-tensor route's kernel: the same codes of the same draws
+        if _natural_encode.wanted(p.numel(), p):  # the per-tensor route's kernel: the same codes of the same draws
             codes = _natural_encode.ahead(p, b.kernel_seed(shared=False, salt="natural"))
         if codes is None:
             codes = _natural_codes(p, b.uniforms(p.numel(), shared=False, salt="natural"))
@@ -824,7 +824,7 @@ class Natural(GatheredCompressor):
             value = torch.index_select(values, 0, got.to(torch.int32))
             total = value if total is None else total.add_(value)
         residual = None
-        if _natural_bucket_residual.wanted(p.numel()):
+        if _natural_bucket_residual.wanted(p.numel(), p):
             residual = lambda q: _natural_bucket_residual.ahead(q, values, codes)  # noqa: E731
         return Exchanged(total.div_(b.world_size), lambda: torch.index_select(values, 0, codes.to(torch.int32)),
                          subtract_sent=residual)

@@ -308,7 +308,7 @@ def _bucket_sign_bits(x):
 
 def _bucket_signs(x: torch.Tensor) -> torch.Tensor:
     """The bucket's sign bits: by a kernel compiled ahead where there is one, else :func:`pack_signs`."""
-    packed = _bucket_sign_bits.ahead(x) if _bucket_sign_bits.wanted(x.numel()) else None
+    packed = _bucket_sign_bits.ahead(x) if _bucket_sign_bits.wanted(x.numel(), x) else None
     return pack_signs(x) if packed is None else packed
 
 
@@ -323,7 +323,7 @@ def _ef_bucket_residual(p, scales, tensor_starts):
 
 def _bucket_trit_codes(x: torch.Tensor) -> torch.Tensor:
     """The bucket's ternary codes: by a kernel compiled ahead where there is one, else :func:`encode_trits`."""
-    codes = _bucket_trits.ahead(x) if _bucket_trits.wanted(x.numel()) else None
+    codes = _bucket_trits.ahead(x) if _bucket_trits.wanted(x.numel(), x) else None
     return encode_trits(x) if codes is None else codes
 
 
@@ -836,7 +836,7 @@ class EFSignSGD(GatheredCompressor):
         own = gathered[b.rank]
         bound = torch.stack([scale.abs().amax() if scale.numel() else scale.new_zeros(()) for scale, _ in gathered]).sum()
         residual = None
-        if _ef_bucket_residual.wanted(layout.numel):
+        if _ef_bucket_residual.wanted(layout.numel, layout.device):
             residual = lambda q: _ef_bucket_residual.ahead(q, own[0], layout.tensor_starts)  # noqa: E731
         return Exchanged(total.div_(b.world_size), lambda: _scaled_signs(*own, index), bound=bound,
                          subtract_sent=residual)

@@ -199,7 +199,7 @@ class Sketch(Compressor):
         """The bucket's sketches S(p), its tensors' rows of C slots end to end in each of R rows: by one
         kernel where it is compiled ahead, else a piece at a time (dense tensors' elements add 0)."""
         sketch = torch.zeros(self.rows * plan.sum_cols, dtype=torch.float32, device=p.device)
-        if _sketch_bucket.wanted(p.numel()):
+        if _sketch_bucket.wanted(p.numel(), p):
             fused = _sketch_bucket.ahead(p, sketch, *plan.tables, plan.compressed, *_rows_apart(seeds))
             if fused is not None:
                 return fused
@@ -213,7 +213,7 @@ class Sketch(Compressor):
     def _magnitudes(self, p, summed, plan, seeds) -> torch.Tensor:
         """|est_i| = |median_j s_j(i) T[j, h_j(i)]| of every element, from the summed sketches T: by one
         kernel where it is compiled ahead, else the same draws again a piece at a time."""
-        if self.rows <= _NETWORK_ROWS and _sketch_magnitude.wanted(p.numel()):
+        if self.rows <= _NETWORK_ROWS and _sketch_magnitude.wanted(p.numel(), p):
             fused = _sketch_magnitude.ahead(p, summed, *plan.tables, *_rows_apart(seeds))
             if fused is not None:
                 return fused

@@ -121,9 +121,8 @@ def run_plan(plan_path, out, train) -> None:
 
 @contextlib.contextmanager
 def kernels_ahead():
-    """For the length of a run: the bucket route's kernels compiled ahead on every bucket (their default
-    threshold, 2^20 elements, is far above these scripts' buckets), on this CPU as on a GPU (where the
-    bucket route takes them), and each one's first call waiting for its package, as if its compile had
+    """For the length of a run: the bucket route's kernels compiled ahead on every bucket, on this CPU as
+    on a GPU (where the bucket route takes them), and each one's first call waiting for its package, as if its compile had
     been quick: the exchange that queued it takes the reference path, the next ones the kernel.  Yields
     a dict that counts the kernels' runs by name."""
     from gradzip import devices, kernels
@@ -139,13 +138,8 @@ def kernels_ahead():
             runs[self.__name__] = runs.get(self.__name__, 0) + 1
         return result
 
-    saved = {k: k.min_numel for k in kernels.KERNELS}
-    for kernel in kernels.KERNELS:
-        kernel.min_numel = 1
     kernels.Kernel.ahead, devices.runs_kernels_ahead = counted, lambda where: True
     try:
         yield runs
     finally:
         kernels.Kernel.ahead, devices.runs_kernels_ahead = ahead, predicate
-        for kernel, numel in saved.items():
-            kernel.min_numel = numel
