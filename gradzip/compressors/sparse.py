@@ -8,6 +8,7 @@ values alone and send no indices.  Indices use the smallest integer dtype that a
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import math
 import weakref
@@ -1313,7 +1314,8 @@ class _AdaptivePlan:
     ``class_offsets``, the tensors grouped by size class (for each class's peaks by one segmented max);
     per class ``both_sides``, its members' places among (k+ of every tensor, then k-), and
     ``both_starts``, their starts in the bucket then those plus n (P's marks, then M's, in one flat
-    mask); ``zero``, a float32 0."""
+    mask); ``ends``, where each tensor ends (int64: a position's tensor is how many end at or before
+    it); ``zero``, a float32 0."""
 
     def __init__(self, layout):
         device, members = layout.device, [size.members for size in layout.classes]
@@ -1324,6 +1326,7 @@ class _AdaptivePlan:
         self.both_sides = [torch.tensor([*m, *(i + len(layout) for i in m)], dtype=torch.int64, device=device)
                            for m in members]
         self.both_starts = [torch.cat([size.starts, size.starts + layout.numel]).view(-1, 1) for size in layout.classes]
+        self.ends = torch.tensor([o + n for o, n in zip(layout.offsets, layout.numels)], dtype=torch.int64, device=device)
         self.zero = torch.zeros((), device=device)
 
 
@@ -1431,15 +1434,17 @@ class AdaptiveThreshold(Compressor):
         itype = index_dtype(n + 1)
         sides = [torch.nonzero_static(mark, size=size, fill_value=n).view(-1) for mark, size in zip(marks, read[:2])]
         gathered = yield AllGather((means, *(side.to(itype) for side in sides)))
-        ends = torch.cumsum(layout.lengths, 0)
         total = torch.zeros(n + 1, dtype=torch.float32, device=p.device)
-        for mu, *positions in gathered:  # rank order, + then -: as exchange() adds them
+        values = []  # this rank's own, as decoded from what it sent
+        for rank, (mu, *positions) in enumerate(gathered):  # rank order, + then -: as exchange() adds them
             for side, at in enumerate(positions):
                 at = at.long()
-                tensor = torch.searchsorted(ends, at, right=True).clamp_(max=len(layout) - 1)
-                total.index_add_(0, at, mu.view(2, -1)[side].index_select(0, tensor))
+                tensor = torch.searchsorted(plan.ends, at, right=True).clamp_(max=len(layout) - 1)  # padding: n
+                decoded = mu.view(2, -1)[side].index_select(0, tensor)
+                total.index_add_(0, at, decoded)
+                if rank == b.rank:
+                    values.append(decoded[:read[2 + side]])
         own_at = [side[:count] for side, count in zip(sides, read[2:4])]
-        values = [means.view(2, -1)[s].index_select(0, torch.searchsorted(ends, at, right=True)) for s, at in enumerate(own_at)]
         return Exchanged(total[:n].div_(b.world_size), sparse=(torch.cat(own_at), torch.cat(values)))
 
     def _bucket_sides(self, p, layout, ks, peaks, plan):
@@ -1449,16 +1454,21 @@ class AdaptiveThreshold(Compressor):
         k of each row are kept), both sides' sums, means and marks at once (rows + then rows -)."""
         means = torch.zeros(2 * len(layout), dtype=torch.float32, device=p.device)
         marks = torch.zeros(2 * layout.numel, dtype=torch.bool, device=p.device)  # P's, then M's
+        rows, sums, positions, kept = [], [], [], []  # per class with a peak: each written once for all below
         for c, (size, both, starts) in enumerate(zip(layout.classes, plan.both_sides, plan.both_starts)):
             peak = max(peaks[2 * c], peaks[2 * c + 1])
             if not peak:
                 continue
-            r, k = layout.rows(p, size), ks.view(-1).index_select(0, both)
+            r = layout.rows(p, size)
             (largest, at_largest), (smallest, at_smallest) = r.topk(peak, dim=1), r.topk(peak, dim=1, largest=False)
-            kept = torch.arange(peak, device=p.device) < k.view(-1, 1)
-            sums = torch.where(kept, torch.cat([largest, smallest]), plan.zero).sum(dim=1)
-            means.index_copy_(0, both, sums.div_(k.clamp_(min=1)))  # k is float64: the quotient rounded once
-            marks.index_put_((torch.cat([at_largest, at_smallest]).add_(starts).view(-1),), kept.view(-1))
+            kept.append(_counting(peak, p.device) < ks.view(-1).index_select(0, both).view(-1, 1))
+            sums.append(torch.where(kept[-1], torch.cat([largest, smallest]), plan.zero).sum(dim=1))
+            positions.append(torch.cat([at_largest, at_smallest]).add_(starts).view(-1))
+            rows.append(both)
+        if rows:
+            rows = torch.cat(rows)  # k is float64: each quotient rounded once
+            means.index_copy_(0, rows, torch.cat(sums).div_(ks.view(-1).index_select(0, rows).clamp_(min=1)))
+            marks.index_put_((torch.cat(positions),), torch.cat([k.view(-1) for k in kept]))
         return means, marks.view(2, -1)
 
     def bucket_payload_bytes(self, layout, kept: Optional[int] = None):
@@ -1468,3 +1478,9 @@ class AdaptiveThreshold(Compressor):
             if kept is None:
                 raise ValueError(f"{self.name} sends a data-dependent number of elements; pass kept=")
         return 16 + 8 * len(layout) + kept * index_dtype(layout.numel + 1).itemsize
+
+
+@functools.lru_cache(maxsize=64)
+def _counting(n: int, device: torch.device) -> torch.Tensor:
+    """0, 1, ..., n - 1 (int64) on ``device``, made once per length (read only)."""
+    return torch.arange(n, device=device)
