@@ -1466,9 +1466,9 @@ class AdaptiveThreshold(Compressor):
             positions.append(torch.cat([at_largest, at_smallest]).add_(starts).view(-1))
             rows.append(both)
         if rows:
-            rows = torch.cat(rows)  # k is float64: each quotient rounded once
-            means.index_copy_(0, rows, torch.cat(sums).div_(ks.view(-1).index_select(0, rows).clamp_(min=1)))
-            marks.index_put_((torch.cat(positions),), torch.cat([k.view(-1) for k in kept]))
+            rows = _joined(rows)  # k is float64: each quotient rounded once
+            means.index_copy_(0, rows, _joined(sums).div_(ks.view(-1).index_select(0, rows).clamp_(min=1)))
+            marks.index_put_((_joined(positions),), _joined([k.view(-1) for k in kept]))
         return means, marks.view(2, -1)
 
     def bucket_payload_bytes(self, layout, kept: Optional[int] = None):
@@ -1484,3 +1484,8 @@ class AdaptiveThreshold(Compressor):
 def _counting(n: int, device: torch.device) -> torch.Tensor:
     """0, 1, ..., n - 1 (int64) on ``device``, made once per length (read only)."""
     return torch.arange(n, device=device)
+
+
+def _joined(parts: list) -> torch.Tensor:
+    """The 1-D ``parts`` end to end: the one part itself where there is one (no copy)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
