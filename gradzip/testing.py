@@ -685,7 +685,9 @@ class MemoryCounter(TorchDispatchMode):
     now.  Storages that existed before (an operation's inputs, in-place results) do not count.  Exact, not
     sampled: what the same code would ask a GPU's caching allocator for, before its rounding.  A fused
     kernel of the bucket route (:meth:`gradzip.kernels.Kernel.ahead`) counts its result's storage (the
-    buffers it allocates inside itself are not seen).
+    buffers it allocates inside itself are not seen).  ``torch.tensor`` of Python data dispatches no
+    allocation (a layout's tables built from lists): while any MemoryCounter is active it is patched to
+    count for the calling thread's counters.
     """
 
     sees_fused_kernels = True
@@ -708,6 +710,25 @@ class MemoryCounter(TorchDispatchMode):
     def saw_fused_kernel(self, name: str, result) -> None:
         self._allocated(result, set())
 
+    def __enter__(self):
+        _patch_tensor_factory()
+        try:
+            entered = super().__enter__()
+        except BaseException:
+            _unpatch_tensor_factory()
+            raise
+        _memory_counters_here().append(self)
+        return entered
+
+    def __exit__(self, *exc_info):
+        try:
+            counters = _memory_counters_here()
+            if self in counters:
+                counters.remove(self)
+            return super().__exit__(*exc_info)
+        finally:
+            _unpatch_tensor_factory()
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         inputs = {t.untyped_storage().data_ptr() for t in _tensors_in((args, kwargs))}
@@ -729,6 +750,38 @@ class MemoryCounter(TorchDispatchMode):
                     self.peak = max(self.peak, self.live)
                 self._tensors[address] += 1
             weakref.finalize(t, self._release, address)
+
+
+def _memory_counters_here() -> list:
+    counters = getattr(_local, "memory_counters", None)
+    if counters is None:
+        counters = _local.memory_counters = []
+    return counters
+
+
+_factory = {"users": 0, "saved": None}
+
+
+def _patch_tensor_factory() -> None:
+    with _patch_lock:
+        if _factory["users"] == 0:
+            made = _factory["saved"] = torch.tensor
+
+            def tensor(*args, **kwargs):
+                t = made(*args, **kwargs)
+                for counter in list(_memory_counters_here()):
+                    counter._allocated(t, set())
+                return t
+            torch.tensor = tensor
+        _factory["users"] += 1
+
+
+def _unpatch_tensor_factory() -> None:
+    with _patch_lock:
+        _factory["users"] -= 1
+        if _factory["users"] == 0:
+            torch.tensor = _factory.pop("saved")
+            _factory["saved"] = None
 
 
 def _tensors_in(tree) -> list:

@@ -919,11 +919,14 @@ class DGC(MaskedBucket, Sparsifier):
             thresholds = _thresholds(sample, short, plan.ranks_short, plan.ranks_full)
         index = layout.segment_index()  # one int32 index spreads every per-tensor quantity below
         counts = _counts_at_least(absp, thresholds, plan, index)  # (retries + 1, tensors), a transposed view
-        top = _class_top_k(absp, layout, plan)
-        selected = _dgc_selected.ahead(absp, counts.T, thresholds, plan.enough, plan.k, index, top)
-        if selected is None:
-            selected = _selected(absp, counts.T, thresholds, plan.enough, plan.k, index, top)
-        return selected
+        if _dgc_selected.wanted(layout.numel, absp):
+            selected = _dgc_selected.ahead(absp, counts.T, thresholds, plan.enough, plan.k, index,
+                                           _class_top_k(absp, layout, plan))
+            if selected is not None:
+                return selected
+        candidates, too_many = _passing(absp, counts.T, thresholds, plan.enough, plan.k, index)
+        del index  # before the top k's mask: a bucket-sized int32 less at the peak
+        return torch.where(too_many, _class_top_k(absp, layout, plan), candidates)
 
     def bucket_payload_bytes(self, layout, kept: Optional[int] = None) -> int:
         whole = sum(n for n, shape in zip(layout.numels, layout.shapes) if not _compressed(shape, self.min_numel))
@@ -975,28 +978,30 @@ class _SamplePlan:
     last one may then fall past the tensor ("short": a sample of W_i - 1).
 
     ``slot_tensor``, ``slot_base``, ``slot_last``: per slot, its tensor, its position in the bucket from
-    start 0, and its tensor's last position.  ``span`` (float32) and ``span_max``: per tensor, the starts
+    start 0, and its tensor's last position (int32 where the bucket's positions fit, as they do in any
+    DDP bucket: twelve bytes a slot, an eighth of a float32 bucket's bytes at DGC's 1% sample; built on
+    the host by tensor operations, not lists).  ``span`` (float32) and ``span_max``: per tensor, the starts
     drawn, 0 to span - 1 (span = min(stride, n)).  ``last_slot``: per tensor, its last slot.  ``sampled``:
     whether any tensor is.  ``layout``: the bucket's layout.
     """
 
     def __init__(self, layout, stride: int, sampled: Sequence[bool]):
         self.layout = layout
-        tensor, base, last, last_slot, spans = [], [], [], [], []
-        self._slots = []  # per tensor: (first slot, W)
-        for i, (offset, n, yes) in enumerate(zip(layout.offsets, layout.numels, sampled)):
-            spans.append(max(1, min(stride, n)))
-            width = -(-n // stride) if n and yes else 0
-            first = len(tensor)
-            self._slots.append((first, width))
-            tensor += [i] * width
-            base += range(offset, offset + stride * width, stride)
-            last += [offset + n - 1] * width
-            last_slot.append(first + width - 1 if width else 0)
-        self.sampled = bool(tensor)
-        self.slot_tensor, self.slot_base, self.slot_last = (self._device(v) for v in (tensor, base, last))
+        widths = [-(-n // stride) if n and yes else 0 for n, yes in zip(layout.numels, sampled)]
+        firsts = [0, *itertools.accumulate(widths)][:-1]
+        self._slots = list(zip(firsts, widths))  # per tensor: (first slot, W)
+        self.sampled = any(widths)
+        counts = torch.tensor(widths, dtype=torch.int64)
+        dtype = torch.int32 if layout.numel < 2**31 else torch.int64
+        within = torch.arange(sum(widths)) - torch.tensor(firsts, dtype=torch.int64).repeat_interleave(counts)
+        per_slot = (lambda values: torch.tensor(values, dtype=torch.int64).repeat_interleave(counts))  # noqa: E731
+        self.slot_tensor = torch.arange(len(layout), dtype=dtype).repeat_interleave(counts).to(layout.device)
+        self.slot_base = (per_slot(layout.offsets) + within * stride).to(device=layout.device, dtype=dtype)
+        self.slot_last = per_slot([o + n - 1 for o, n in zip(layout.offsets, layout.numels)]).to(
+            device=layout.device, dtype=dtype)
+        spans = [max(1, min(stride, n)) for n in layout.numels]
         self.span, self.span_max = self._device(spans, torch.float32), self._device([s - 1 for s in spans])
-        self.last_slot = self._device(last_slot)
+        self.last_slot = self._device([first + width - 1 if width else 0 for first, width in self._slots])
 
     def _device(self, values, dtype=torch.int64) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.layout.device)
@@ -1108,23 +1113,25 @@ def _dgc_thresholds(sample, short, *ranks):
     return _thresholds(sample, short, torch.stack(ranks[:retries]), torch.stack(ranks[retries:]))
 
 
-def _selected(absp, counts_by_tensor, thresholds, enough, k, index, top) -> torch.Tensor:
-    """DGC's selection as a bool over the bucket: per tensor, the first retry's threshold that at least
-    ``enough`` pass (the last where none does: ``enough`` is -inf there), and where more than k pass
-    it, the tensor's exact top k (``top``) instead; ``counts_by_tensor``: how many pass each threshold
-    (tensors, retries + 1); ``index``: each element's tensor."""
+def _passing(absp, counts_by_tensor, thresholds, enough, k, index) -> tuple:
+    """DGC's selection before its exact top k, as bools over the bucket: (the elements passing their
+    tensor's first retry threshold that at least ``enough`` pass, or the last where none does: ``enough``
+    is -inf there; whether their tensor has more than k passing it, so that its exact top k is taken
+    instead).  ``counts_by_tensor``: how many pass each threshold (tensors, retries + 1); ``index``:
+    each element's tensor."""
     counts = counts_by_tensor.T
     first = (counts >= enough).byte().argmax(0, keepdim=True)
     candidates = absp >= thresholds.gather(0, first).view(-1).index_select(0, index)
     too_many = (counts.gather(0, first).view(-1) > k).index_select(0, index)
-    return torch.where(too_many, top, candidates)
+    return candidates, too_many
 
 
 @kernels.fused(min_numel=1)
 def _dgc_selected(absp, counts_by_tensor, thresholds, enough, k, index, top):
-    """:func:`_selected` in one pass over the bucket (no bool of the candidates, none of the tensors
-    with too many)."""
-    return _selected(absp, counts_by_tensor, thresholds, enough, k, index, top)
+    """DGC's selection (:func:`_passing`, the top k where too many pass) in one pass over the bucket:
+    neither the candidates nor the tensors with too many written out."""
+    candidates, too_many = _passing(absp, counts_by_tensor, thresholds, enough, k, index)
+    return torch.where(too_many, top, candidates)
 
 
 def _counts_at_least(absp: torch.Tensor, thresholds: torch.Tensor, plan: _DGCPlan,

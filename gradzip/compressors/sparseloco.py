@@ -202,45 +202,48 @@ class _ChunkPlan:
     keeps, so a row's first k are its k largest: one ``topk`` for all short chunks, however many widths
     they have.  Both blocks' kept values then form one (rows, ``columns``) block for the quantiser:
     ``k``, each row's k (an int where every row is a full chunk, else int64 per row); ``unkept``, the
-    entries past a row's k, and ``keep``, the flat positions of the others (None where none is past).
+    entries past a row's k, and ``keep``, the flat positions of the others among the short rows' (None
+    where none is past).
 
     Per kept entry, in wire order (the full chunks' rows, then the short ones', k entries each):
-    ``entry_start``, its chunk's start (int64: position = index + start), and ``entry_level``, twice
-    its chunk's row (int32: its level is ``levels[entry_level + large]``).  ``kept``: K, in all.
+    ``entry_level``, twice its chunk's row (int32: its level is ``levels[entry_level + large]``, its
+    position its index plus ``level_start[entry_level]``, each row's start twice over).  ``kept``: K,
+    in all.  Four bytes per kept entry, a fiftieth of the bucket at the default density.
     """
 
     def __init__(self, layout, chunk: int, kept_of):
-        full, short = [], []
+        # Built on the host by tensor operations (a bucket of a billion elements has twenty million kept
+        # entries at the default density: too many for Python lists), then moved to the device.
+        full, short, widths = [], [], []
         for offset, n in zip(layout.offsets, layout.numels):
             whole, rest = divmod(n, chunk)
-            full.extend(range(offset, offset + whole * chunk, chunk))
+            if whole:
+                full.append(torch.arange(offset, offset + whole * chunk, chunk))
             if rest:
-                short.append((offset + whole * chunk, rest))
-        device = layout.device
+                short.append(offset + whole * chunk)
+                widths.append(rest)
+        device, int64 = layout.device, torch.int64
+        full = torch.cat(full) if full else torch.empty(0, dtype=int64)
+        starts = torch.cat([full, torch.tensor(short, dtype=int64)])  # every row's, full ones first
+        ks = torch.tensor([kept_of(chunk)] * len(full) + [kept_of(w) for w in widths], dtype=int64)
         self.chunk = chunk
-        rows = [(start, chunk) for start in full] + short
-        ks = [kept_of(width) for _, width in rows]
-        self.columns = max(ks, default=0)  # a full chunk's k where there is one: no short chunk keeps more
-        self.full_starts = torch.tensor(full, dtype=torch.int64, device=device).view(-1, 1) if full else None
+        self.columns = int(ks.max()) if len(ks) else 0  # a full chunk's k where there is one: no short one keeps more
+        self.full_starts = full.to(device).view(-1, 1) if len(full) else None
         self.short_positions = None
         if short:
-            width = max(self.columns, *(w for _, w in short))
-            self.short_positions = torch.tensor([s + (j if j < w else 0) for s, w in short for j in range(width)],
-                                                dtype=torch.int64, device=device)
-            self.pad = torch.tensor([[j >= w for j in range(width)] for _, w in short], device=device)
-        kept = [[j < k for j in range(self.columns)] for k in ks]
-        if all(map(all, kept)):
-            self.k, self.unkept, self.keep = (ks[0] if ks else 0), None, None
+            within = torch.arange(max(self.columns, *widths))
+            pad = within >= torch.tensor(widths).view(-1, 1)
+            self.short_positions = (starts[len(full):].view(-1, 1) + within.masked_fill(pad, 0)).view(-1).to(device)
+            self.pad = pad.to(device)
+        kept = torch.arange(self.columns) < ks.view(-1, 1)
+        if bool(kept.all()):
+            self.k, self.unkept, self.keep = (int(ks[0]) if len(ks) else 0), None, None
         else:
-            self.k = torch.tensor(ks, dtype=torch.int64, device=device)
-            self.unkept = ~torch.tensor(kept, device=device)
-            self.keep = torch.tensor([i for i, yes in enumerate(v for row in kept for v in row) if yes],
-                                     dtype=torch.int64, device=device)
-        self.kept = sum(ks)
-        self.entry_start = torch.tensor([start for (start, _), k in zip(rows, ks) for _ in range(k)],
-                                        dtype=torch.int64, device=device)
-        self.entry_level = torch.tensor([2 * row for row, k in enumerate(ks) for _ in range(k)],
-                                        dtype=torch.int32, device=device)
+            self.k, self.unkept = ks.to(device), (~kept).to(device)
+            self.keep = kept[len(full):].reshape(-1).nonzero().view(-1).to(device)  # every full row keeps all
+        self.kept = int(ks.sum())
+        self.level_start = starts.repeat_interleave(2).to(device)
+        self.entry_level = torch.arange(0, 2 * len(ks), 2, dtype=torch.int32).repeat_interleave(ks).to(device)
         self.empty = torch.empty(0, device=device)
 
     def encode(self, e: torch.Tensor) -> tuple:
@@ -261,14 +264,21 @@ class _ChunkPlan:
         levels, codes = SparseLoCo.encode_values(values, self.k, self.unkept)
         if self.keep is None:
             return levels, codes, local.view(-1)
-        return levels, codes.index_select(0, self.keep), local.view(-1).index_select(0, self.keep)
+        return levels, self._kept(codes), self._kept(local.view(-1))
+
+    def _kept(self, entries: torch.Tensor) -> torch.Tensor:
+        """Of the block's (rows, columns) ``entries`` (flat), those within their row's k."""
+        full = 0 if self.full_starts is None else self.full_starts.numel() * self.columns
+        short = entries[full:].index_select(0, self.keep)
+        return torch.cat([entries[:full], short]) if full else short
 
     def decode(self, fields: tuple) -> tuple:
         """(unique int64 positions in the bucket, float32 values) of one rank's bucket payload."""
         levels, packed, idx = fields
         codes = _unpack2(packed, self.kept)
         magnitude = levels.index_select(0, self.entry_level + (codes >> 1))
-        return idx.long() + self.entry_start, torch.where((codes & 1).bool(), -magnitude, magnitude)
+        positions = idx.long() + self.level_start.index_select(0, self.entry_level)
+        return positions, torch.where((codes & 1).bool(), -magnitude, magnitude)
 
 
 def _pack2(codes: torch.Tensor) -> torch.Tensor:
