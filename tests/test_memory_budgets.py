@@ -93,6 +93,17 @@ def test_the_counter_sees_allocations_while_they_live():
     del c, total, d
 
 
+def test_the_counter_sees_tables_made_from_python_data():
+    """``torch.tensor`` of a list dispatches no allocation: the counter sees it all the same (a layout's
+    plan tables are made so), and puts the factory back after."""
+    factory = torch.tensor
+    with MemoryCounter() as counter:
+        table = torch.tensor(list(range(1000)), dtype=torch.int64)  # 8000 bytes
+        del table
+        torch.as_strided(torch.tensor([1.0, 2.0]), (1,), (1,))  # 8, freed at once
+    assert (counter.peak, counter.live) == (8000, 0) and torch.tensor is factory
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_memory_budget(method):
     transient, state, kept = measure(method)
