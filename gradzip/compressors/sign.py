@@ -308,7 +308,7 @@ def _bucket_sign_bits(x):
 
 def _bucket_signs(x: torch.Tensor) -> torch.Tensor:
     """The bucket's sign bits: by a kernel compiled ahead where there is one, else :func:`pack_signs`."""
-    packed = _bucket_sign_bits.ahead(x) if _bucket_sign_bits.wanted(x.numel(), x) else None
+    packed = _bucket_sign_bits.ahead(x)
     return pack_signs(x) if packed is None else packed
 
 
@@ -323,7 +323,7 @@ def _ef_bucket_residual(p, scales, tensor_starts):
 
 def _bucket_trit_codes(x: torch.Tensor) -> torch.Tensor:
     """The bucket's ternary codes: by a kernel compiled ahead where there is one, else :func:`encode_trits`."""
-    codes = _bucket_trits.ahead(x) if _bucket_trits.wanted(x.numel(), x) else None
+    codes = _bucket_trits.ahead(x)
     return encode_trits(x) if codes is None else codes
 
 
