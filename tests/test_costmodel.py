@@ -228,6 +228,24 @@ def test_advise_under_torchrun_measures_the_jobs_own_links(tmp_path):
     assert "2 workers" in out.stdout and out.stdout.count("step ms") == 1
 
 
+def test_a_link_measured_at_a_noisy_moment_is_measured_again(monkeypatch):
+    """Where the times do not grow with the size (a busy moment on a shared machine), advise measures the
+    links again, every rank alike (they all hold the same points); it reports the failure only when
+    every attempt fails."""
+    adv = sys.modules["gradzip.advise"]  # gradzip.advise, the attribute, is the function
+    flat = [(2, 1 << 10, 1e-3), (2, 1 << 20, 1e-3)]  # no growth: no bandwidth to fit
+    good = [(2, 1 << 10, 1e-4), (2, 1 << 20, 1e-2)]
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    timings = iter([flat, flat, good])
+    monkeypatch.setattr(cm, "time_allreduces", lambda: next(timings))
+    link, rank = adv._measure_this_cluster()
+    assert rank == 1 and link.beta > 0 and next(timings, None) is None
+    monkeypatch.setattr(cm, "time_allreduces", lambda: flat)
+    with pytest.raises(ValueError, match="do not grow with the size"):
+        adv._measure_this_cluster()
+
+
 def test_advise_under_torchrun_refuses_an_emulated_link(monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
     monkeypatch.setenv("WORLD_SIZE", "2")
