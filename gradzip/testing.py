@@ -511,18 +511,76 @@ HOST_READ_OPS = frozenset({"_local_scalar_dense", "nonzero", "masked_select", "e
 HOST_READ_METHODS = ("tolist", "numpy", "__array__")
 
 _MISSING = object()
-_local = threading.local()  # this thread's active counters, and whether a counted Tensor method is running
-_patch_lock = threading.Lock()
-_patch_users = 0
-_patch_saved: dict = {}
 
 
-def _counters_here() -> list:
-    counters = getattr(_local, "counters", None)
-    if counters is None:
-        counters = _local.counters = []
-        _local.reading = 0
-    return counters
+class _Local(threading.local):
+    """This thread's active counters of each kind, and whether a counted Tensor method is running."""
+
+    def __init__(self):
+        self.counters: list = []  # OpCounters
+        self.memory_counters: list = []
+        self.reading = 0
+
+
+_local = _Local()
+
+
+class _Patches:
+    """Attributes of ``owner`` replaced (``make(original)``, per name) while any counter of one kind is
+    active on any thread, and put back when the last one exits."""
+
+    _lock = threading.Lock()
+
+    def __init__(self, owner, make: dict):
+        self.owner, self.make = owner, make
+        self.users = 0
+        self.saved: dict = {}
+
+    def acquire(self) -> None:
+        with self._lock:
+            if self.users == 0:
+                for name, make in self.make.items():
+                    self.saved[name] = vars(self.owner).get(name, _MISSING)
+                    setattr(self.owner, name, make(getattr(self.owner, name)))
+            self.users += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self.users -= 1
+            if self.users == 0:
+                for name, saved in self.saved.items():
+                    if saved is _MISSING:
+                        delattr(self.owner, name)
+                    else:
+                        setattr(self.owner, name, saved)
+                self.saved.clear()
+
+
+class _CountingMode(TorchDispatchMode):
+    """A dispatch mode that also counts what dispatches nothing, through ``patches`` applied while it is
+    active; it is listed, while active, in this thread's ``_local`` list named ``active``."""
+
+    patches: _Patches
+    active: str
+
+    def __enter__(self):
+        self.patches.acquire()
+        try:
+            entered = super().__enter__()
+        except BaseException:
+            self.patches.release()
+            raise
+        getattr(_local, self.active).append(self)
+        return entered
+
+    def __exit__(self, *exc_info):
+        try:
+            counters = getattr(_local, self.active)
+            if self in counters:  # the innermost entry of this counter
+                del counters[len(counters) - 1 - counters[::-1].index(self)]
+            return super().__exit__(*exc_info)
+        finally:
+            self.patches.release()
 
 
 def _off_cpu(t) -> bool:
@@ -568,7 +626,7 @@ def _host_read(func, args, kwargs) -> bool:
 def _counting_method(name: str, original):
     @functools.wraps(original)
     def method(self, *args, **kwargs):
-        counters = _counters_here()
+        counters = _local.counters
         if not counters or _local.reading:
             return original(self, *args, **kwargs)
         for counter in counters:
@@ -582,30 +640,7 @@ def _counting_method(name: str, original):
     return method
 
 
-def _patch_methods() -> None:
-    global _patch_users
-    with _patch_lock:
-        if _patch_users == 0:
-            for name in HOST_READ_METHODS:
-                _patch_saved[name] = torch.Tensor.__dict__.get(name, _MISSING)
-                setattr(torch.Tensor, name, _counting_method(name, getattr(torch.Tensor, name)))
-        _patch_users += 1
-
-
-def _unpatch_methods() -> None:
-    global _patch_users
-    with _patch_lock:
-        _patch_users -= 1
-        if _patch_users == 0:
-            for name in HOST_READ_METHODS:
-                saved = _patch_saved.pop(name)
-                if saved is _MISSING:
-                    delattr(torch.Tensor, name)
-                else:
-                    setattr(torch.Tensor, name, saved)
-
-
-class OpCounter(TorchDispatchMode):
+class OpCounter(_CountingMode):
     """Counts every aten operation dispatched on the thread that enters it, by overload packet
     (``"aten.add_"``), and the host reads among them: the operations that wait for the device on CUDA.
 
@@ -657,29 +692,9 @@ class OpCounter(TorchDispatchMode):
             self.host_reads[str(func.overloadpacket)] += 1
         return func(*args, **kwargs)
 
-    def __enter__(self):
-        _patch_methods()
-        try:
-            entered = super().__enter__()
-        except BaseException:
-            _unpatch_methods()
-            raise
-        _counters_here().append(self)
-        return entered
-
-    def __exit__(self, *exc_info):
-        try:
-            counters = _counters_here()
-            if self in counters:
-                counters.reverse()
-                counters.remove(self)  # the innermost entry of this counter
-                counters.reverse()
-            return super().__exit__(*exc_info)
-        finally:
-            _unpatch_methods()
 
 
-class MemoryCounter(TorchDispatchMode):
+class MemoryCounter(_CountingMode):
     """Bytes of the storages that operations dispatched inside the block (on the thread that enters it)
     allocate, while a tensor on them lives: ``peak`` is the most alive at once, ``live`` what is alive
     now.  Storages that existed before (an operation's inputs, in-place results) do not count.  Exact, not
@@ -710,25 +725,6 @@ class MemoryCounter(TorchDispatchMode):
     def saw_fused_kernel(self, name: str, result) -> None:
         self._allocated(result, set())
 
-    def __enter__(self):
-        _patch_tensor_factory()
-        try:
-            entered = super().__enter__()
-        except BaseException:
-            _unpatch_tensor_factory()
-            raise
-        _memory_counters_here().append(self)
-        return entered
-
-    def __exit__(self, *exc_info):
-        try:
-            counters = _memory_counters_here()
-            if self in counters:
-                counters.remove(self)
-            return super().__exit__(*exc_info)
-        finally:
-            _unpatch_tensor_factory()
-
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         inputs = {t.untyped_storage().data_ptr() for t in _tensors_in((args, kwargs))}
@@ -752,36 +748,20 @@ class MemoryCounter(TorchDispatchMode):
             weakref.finalize(t, self._release, address)
 
 
-def _memory_counters_here() -> list:
-    counters = getattr(_local, "memory_counters", None)
-    if counters is None:
-        counters = _local.memory_counters = []
-    return counters
+def _counting_tensor(made):
+    """``torch.tensor`` that counts its result for this thread's active MemoryCounters."""
+    @functools.wraps(made)
+    def tensor(*args, **kwargs):
+        t = made(*args, **kwargs)
+        for counter in list(_local.memory_counters):
+            counter._allocated(t, set())
+        return t
+    return tensor
 
 
-_factory = {"users": 0, "saved": None}
-
-
-def _patch_tensor_factory() -> None:
-    with _patch_lock:
-        if _factory["users"] == 0:
-            made = _factory["saved"] = torch.tensor
-
-            def tensor(*args, **kwargs):
-                t = made(*args, **kwargs)
-                for counter in list(_memory_counters_here()):
-                    counter._allocated(t, set())
-                return t
-            torch.tensor = tensor
-        _factory["users"] += 1
-
-
-def _unpatch_tensor_factory() -> None:
-    with _patch_lock:
-        _factory["users"] -= 1
-        if _factory["users"] == 0:
-            torch.tensor = _factory.pop("saved")
-            _factory["saved"] = None
+OpCounter.patches, OpCounter.active = _Patches(torch.Tensor, {
+    name: functools.partial(_counting_method, name) for name in HOST_READ_METHODS}), "counters"
+MemoryCounter.patches, MemoryCounter.active = _Patches(torch, {"tensor": _counting_tensor}), "memory_counters"
 
 
 def _tensors_in(tree) -> list:
