@@ -919,14 +919,15 @@ class DGC(MaskedBucket, Sparsifier):
             thresholds = _thresholds(sample, short, plan.ranks_short, plan.ranks_full)
         index = layout.segment_index()  # one int32 index spreads every per-tensor quantity below
         counts = _counts_at_least(absp, thresholds, plan, index)  # (retries + 1, tensors), a transposed view
+        top = None
         if _dgc_selected.wanted(layout.numel, absp):
-            selected = _dgc_selected.ahead(absp, counts.T, thresholds, plan.enough, plan.k, index,
-                                           _class_top_k(absp, layout, plan))
+            top = _class_top_k(absp, layout, plan)
+            selected = _dgc_selected.ahead(absp, counts.T, thresholds, plan.enough, plan.k, index, top)
             if selected is not None:
                 return selected
         candidates, too_many = _passing(absp, counts.T, thresholds, plan.enough, plan.k, index)
-        del index  # before the top k's mask: a bucket-sized int32 less at the peak
-        return torch.where(too_many, _class_top_k(absp, layout, plan), candidates)
+        del index  # before the top k's mask (where not made already): a bucket-sized int32 less at the peak
+        return torch.where(too_many, _class_top_k(absp, layout, plan) if top is None else top, candidates)
 
     def bucket_payload_bytes(self, layout, kept: Optional[int] = None) -> int:
         whole = sum(n for n, shape in zip(layout.numels, layout.shapes) if not _compressed(shape, self.min_numel))
@@ -1494,5 +1495,5 @@ def _counting(n: int, device: torch.device) -> torch.Tensor:
 
 
 def _joined(parts: list) -> torch.Tensor:
-    """The 1-D ``parts`` end to end: the one part itself where there is one (no copy)."""
+    """``parts`` end to end along their first dimension: the one part itself where there is one (no copy)."""
     return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -11,7 +11,7 @@ import torch
 from ..bits import index_dtype, pack_bits, packed_nbytes, unpack_bits
 from .base import AllGather, Compressor, Exchanged, TensorContext, times_scale, unscale_, workspace, zeroed
 from .registry import register
-from .sparse import _check_int, _check_number
+from .sparse import _check_int, _check_number, _joined
 
 
 @register
@@ -260,7 +260,7 @@ class _ChunkPlan:
             rows = e.index_select(0, self.short_positions).view(self.pad.shape)  # a pad: a copy of its row's first
             local.append(torch.topk(rows.abs().masked_fill_(self.pad, -1.0), self.columns, dim=1).indices)
             values.append(rows.gather(1, local[-1]))  # sorted: its first k are a row's k largest, pads after
-        values, local = (torch.cat(parts) if len(parts) > 1 else parts[0] for parts in (values, local))
+        values, local = _joined(values), _joined(local)
         levels, codes = SparseLoCo.encode_values(values, self.k, self.unkept)
         if self.keep is None:
             return levels, codes, local.view(-1)
