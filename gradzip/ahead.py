@@ -33,6 +33,8 @@ import json
 import os
 import pathlib
 import queue
+import re
+import signal
 import socket
 import subprocess
 import sys
@@ -127,7 +129,8 @@ def _meta(path: str) -> Optional[dict]:
     the reason where its compile failed."""
     if os.path.exists(path + ".failed"):
         with open(path + ".failed") as failed:
-            raise RuntimeError(f"{failed.read().strip()} (delete {path}.failed to try again)")
+            reason = failed.readline().strip()
+        raise RuntimeError(f"{reason} (the child's output: {path}.failed; delete it to try again)")
     try:
         with open(path + ".json") as meta:
             found = json.load(meta)
@@ -145,9 +148,11 @@ def _compile(path: str, spec: dict) -> None:
         try:
             spawn([sys.executable, "-c", _CHILD, json.dumps(spec)])
         except RuntimeError as exc:
-            if not exiting():  # a failure, not a child stopped because this process ends
+            # a failure, not a child stopped because this process ends or by a signal from outside
+            if not exiting() and not getattr(exc, "stopped", False):
                 with open(path + ".failed", "w") as failed:
-                    failed.write(str(exc))
+                    failed.write(str(exc).replace("\n", " ") + "\n")
+                    failed.write(getattr(exc, "output", ""))  # the child's whole output, for whoever reads it
             raise
 
 
@@ -185,8 +190,34 @@ def spawn(argv: list) -> None:
     finally:
         _CHILDREN.discard(child)
     if child.returncode:
-        lines = [line for line in output.strip().splitlines() if line.strip()]
-        raise RuntimeError(f"compiling a kernel ahead failed: {lines[-1] if lines else child.returncode}")
+        raise CompileFailed(child.returncode, output)
+
+
+#: Signals that stop a child from outside (a job's time limit, Ctrl-C, a scheduler): not the kernel's fault.
+_STOPPED = {signal.SIGTERM, signal.SIGKILL, signal.SIGINT, signal.SIGHUP}
+#: A traceback's last line: the exception and its message (output printed later, such as a warning's
+#: source line at shutdown, must not pass for the reason).
+_RAISED = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Failure)\b.*")
+
+
+class CompileFailed(RuntimeError):
+    """A compiling child that exited non-zero: its exception line (or how it ended) as the message, its
+    whole output kept for the ``.failed`` file."""
+
+    def __init__(self, returncode: int, output: str):
+        lines = [line.strip() for line in output.splitlines() if line.strip()]
+        raised = [line for line in lines if _RAISED.match(line)]
+        how = f"exit status {returncode}"
+        if returncode < 0:
+            try:
+                how = f"killed by {signal.Signals(-returncode).name}"
+            except ValueError:
+                how = f"killed by signal {-returncode}"
+        last = raised[-1] if raised else lines[-1] if lines else "no output"
+        super().__init__(f"compiling a kernel ahead failed ({how}): {last}")
+        self.output = output
+        #: stopped from outside, so nothing is wrong with the kernel: compiled again by the next process
+        self.stopped = returncode < 0 and -returncode in _STOPPED
 
 
 # -- the background threads -------------------------------------------------------------------------------

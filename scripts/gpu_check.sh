@@ -11,7 +11,9 @@
 set -euo pipefail
 
 OUT_DIR=${OUT:-/tmp/gradzip_gpu}
-GPU_TESTS=${GPU_TESTS:-"sync_debug or bucket"}
+# The bucket route's tests by name: a bare "bucket" also picks the GPT scripts' bucket_view feature, whose
+# torchrun plan runs every method (it took most of a 170 s budget on 2026-11-27).
+GPU_TESTS=${GPU_TESTS:-"sync_debug or bucket_route or bucket_draws or bucket_kernels"}
 PYTHON=${PYTHON:-python}
 STEP_ARGS=${STEP_ARGS:-"--steps 15 --warmup 2 --profile-steps 1"}  # more options for bench step
 STEP_TIMEOUT=${STEP_TIMEOUT:-420}  # a method whose kernels compile ahead waits for them (tens of seconds each, once)
@@ -30,8 +32,9 @@ nvidia-smi -L | tee "$OUT_DIR/nvidia-smi.txt"
 
 step_rc=0; start=$SECONDS
 # Each contender in a fresh process (peak memory of its own): about 18 s each on an H100 (2026-11-26:
-# start-up, NCCL, model, steps, profiler), so the quick check takes the baselines and a few methods, and
-# STEP_METHODS=all (26 contenders, about 8 minutes) needs a run of its own.
+# start-up, NCCL, model, steps, profiler), 35-45 s for a method whose kernels compile ahead into a cold
+# cache (2026-11-27), so the quick check takes the baselines and a few methods, and STEP_METHODS=all
+# (26 contenders, 8-15 minutes) needs a run of its own.
 STEP_METHODS=${STEP_METHODS:-ddp,torch-fp16,torch-bf16,torch-powersgd,none,fp16,bf16,topk,qsgd,efsignsgd,powersgd,dgc}
 [ "$STEP_METHODS" = all ] && STEP_METHODS=
 echo "== gradzip bench step (DDP, PyTorch's hooks, gradzip methods: ${STEP_METHODS:-all}) =="

@@ -26,12 +26,15 @@ from gradzip import ahead, devices, kernels
 from gradzip.state import GradzipState
 from gradzip.testing import MemoryCounter, OpCounter, launching_ops
 
+from .workers import run_threads
+
 quantize = sys.modules["gradzip.compressors.quantize"]
 
 #: (method, parameters, the kernels its bucket route takes ahead: encoding, then error feedback's residual)
 CASES = [
-    ("qsgd", {"feedback": "residual"}, ("_qsgd_bucket_encode", "_bucket_residual")),
-    ("terngrad", {"feedback": "residual"}, ("_terngrad_bucket_encode", "_bucket_residual")),
+    ("qsgd", {"feedback": "residual"}, ("_qsgd_bucket_encode", "_bucket_residual", "_bucket_decoded")),
+    ("terngrad", {"feedback": "residual"}, ("_terngrad_bucket_encode", "_bucket_residual", "_codes_summed",
+                                            "_segments_scaled")),
     ("terngrad", {"clip": None}, ("_terngrad_bucket_encode",)),
     ("natural", {"feedback": "residual"}, ("_natural_encode", "_natural_bucket_residual")),
     ("efsignsgd", {}, ("_bucket_sign_bits", "_ef_bucket_residual")),
@@ -60,14 +63,21 @@ def bucket(seed: int, device="cpu") -> list:
     return [(f"p{i}", torch.randn(s, generator=gen).to(device)) for i, s in enumerate(SHAPES)]
 
 
-def exchanges(method: str, params: dict, steps: int, device="cpu"):
-    """The flat aggregates of ``steps`` exchanges from a fresh bucketed state, and the state."""
-    state = GradzipState(method, bucketed=True, **params)
-    outs = []
-    for step in range(steps):
-        named = bucket(step, device)
-        outs.append(torch.cat([g.reshape(-1) for g in state.exchange(named, out=[g for _, g in named])]))
-    return outs, state
+def exchanges(method: str, params: dict, steps: int, device="cpu", world: int = 1):
+    """The flat aggregates of ``steps`` exchanges from a fresh bucketed state, and the state; with
+    ``world`` > 1, of that many ranks as threads (each its own buckets), every rank's aggregates in
+    turn and rank 0's state."""
+    def run(rank, transport=None):
+        state = GradzipState(method, bucketed=True, **params, **({"transport": transport} if transport else {}))
+        outs = []
+        for step in range(steps):
+            named = bucket(step * world + rank, device)
+            outs.append(torch.cat([g.reshape(-1) for g in state.exchange(named, out=[g for _, g in named])]))
+        return outs, state
+    if world == 1:
+        return run(0)
+    ranks = run_threads(world, run)
+    return [out for outs, _ in ranks for out in outs], ranks[0][1]
 
 
 def state_tensors(state) -> dict:
@@ -87,20 +97,21 @@ def ran_ahead(kernel, monkeypatch) -> list:
     return ran
 
 
-def compare_with_reference(method, params, names, monkeypatch, device="cpu", steps=3):
+def compare_with_reference(method, params, names, monkeypatch, device="cpu", steps=3, world=1):
     """The reference paths' aggregates and state, then those with the kernels ``names`` compiled ahead:
-    bit for bit, every kernel having run at every call from the second step on (a residual's first)."""
+    bit for bit, every kernel having run at every call from the second step on (a residual's first);
+    ``world`` ranks as threads."""
     fused = [kernel_named(name) for name in names]
     for kernel in fused:
         monkeypatch.setattr(kernel, "_ahead", {})  # what this process loaded before: not from this session's cache
         monkeypatch.setattr(kernel, "ahead_numel", 1 << 40)
-    want, reference = exchanges(method, params, steps, device)
+    want, reference = exchanges(method, params, steps, device, world)
     for kernel in fused:
         monkeypatch.setattr(kernel, "ahead_numel", 1)
-    exchanges(method, params, 2, device)  # queues the compiles (a residual's from the second step on)
+    exchanges(method, params, 2, device, world)  # queues the compiles (a residual's from the second step on)
     kernels.settle()
     ran = {kernel.__name__: ran_ahead(kernel, monkeypatch) for kernel in fused}
-    got, fused_state = exchanges(method, params, steps, device)
+    got, fused_state = exchanges(method, params, steps, device, world)
     assert all(len(r) >= steps - 1 and all(r) for r in ran.values()), f"{method}: the kernels ran at calls {ran}"
     # a kernel that sums in no fixed order (a scatter's atomic adds) agrees up to that order: here, where
     # no two estimates of the sketch lie that close, the same selection and values to float tolerance
@@ -132,6 +143,14 @@ def no_failure(monkeypatch):
 @pytest.mark.parametrize("method, params, names", CASES, ids=IDS)
 def test_kernels_compiled_ahead_agree_with_reference_bit_for_bit(method, params, names, monkeypatch):
     compare_with_reference(method, params, names, monkeypatch)
+
+
+@pytest.mark.parametrize("method, names", [("qsgd", ("_bucket_decoded",)),
+                                           ("terngrad", ("_codes_summed", "_segments_scaled"))])
+def test_decoding_kernels_sum_two_ranks_in_rank_order(method, names, monkeypatch):
+    """Two ranks (threads), each rank's payload decoded by one kernel (the first written, the next added
+    to it): the reference path's bits on every rank."""
+    compare_with_reference(method, {}, names, monkeypatch, world=2)
 
 
 @pytest.mark.parametrize("shapes", [[(1000, 3)], [(77,), (4097,), (0,), (511,)], [(8, 8)] * 9],
@@ -309,6 +328,33 @@ def test_a_timed_out_compile_is_stopped_and_recorded(monkeypatch, tmp_path):
     assert len(started) == 1
 
 
+def test_a_failed_compile_names_its_exception_and_keeps_the_output(monkeypatch, tmp_path):
+    """The reason is the child's exception line, not whatever it printed after (a warning's source line
+    at shutdown), and the ``.failed`` file keeps the whole output; a child stopped from outside (a job's
+    time limit) records nothing, so the next process compiles again."""
+    path = str(tmp_path / "k.pt2")
+    child = ("import sys, warnings\n"
+             "try:\n    raise ValueError('the real reason')\n"
+             "except ValueError:\n    import traceback; traceback.print_exc()\n"
+             "print('    return cls.__new__(cls, *args)'); sys.exit(1)\n")
+    real = ahead.spawn
+    monkeypatch.setattr(ahead, "spawn", lambda argv: real([sys.executable, "-c", child]))
+    with pytest.raises(RuntimeError, match=r"\(exit status 1\): ValueError: the real reason$"):
+        ahead._compile(path, {})
+    with open(path + ".failed") as failed:
+        reason, output = failed.readline(), failed.read()
+    assert "ValueError: the real reason" in reason and "Traceback" in output and "cls.__new__" in output
+    with pytest.raises(RuntimeError, match="ValueError: the real reason .*delete it"):
+        ahead._meta(path)
+
+    other = str(tmp_path / "stopped.pt2")
+    monkeypatch.setattr(ahead, "spawn", lambda argv: real(
+        [sys.executable, "-c", "import os, signal; print('half', flush=True); os.kill(os.getpid(), signal.SIGTERM)"]))
+    with pytest.raises(RuntimeError, match=r"killed by SIGTERM\): half"):
+        ahead._compile(other, {})
+    assert not os.path.exists(other + ".failed") and ahead._meta(other) is None
+
+
 def test_a_callers_dispatch_mode_gets_the_reference_path(monkeypatch):
     """A compiled kernel runs no aten operation a mode could see, so under the caller's own dispatch mode
     the reference path runs (and nothing is switched off); gradzip's counters see the kernel as one
@@ -343,9 +389,9 @@ def test_a_callers_dispatch_mode_gets_the_reference_path(monkeypatch):
 
 
 def test_fused_kernels_cut_the_bucket_route_launches(monkeypatch):
-    """Counted on CPU: with error feedback, the quantisers' encoding and residual are one operation each
-    once compiled, at least 28 operations fewer per bucket than their reference paths dispatch."""
-    for method, params, names in [case for case in CASES if case[0] in QUANTISERS and len(case[2]) == 2]:
+    """Counted on CPU: with error feedback, the quantisers' encoding, decoding and residual are an
+    operation each once compiled, at least 28 operations fewer per bucket than their reference paths dispatch."""
+    for method, params, names in [case for case in CASES if case[0] in QUANTISERS and "feedback" in case[1]]:
         counts = []
         for threshold in (1 << 40, 1):
             for kernel in kernels.KERNELS:  # the counter's draws of the reference path too

@@ -371,7 +371,7 @@ def run(methods: Optional[Sequence[str]] = None, *, device: Optional[str] = None
                 if progress:  # as each arrives: a run cut short by a timeout still shows what it measured
                     progress("  " + (row.get("error") or ", ".join(
                         f"{k} {row[k]:.1f}" if isinstance(row[k], float) else f"{k} {row[k]}"
-                        for k in ("ms", "min_ms", "first_ms", "peak_mb", "launches", "syncs", "host_reads")
+                        for k in ("ms", "min_ms", "first_ms", "compile_wait_ms", "peak_mb", "launches", "syncs", "host_reads")
                         if row.get(k) is not None)))
                 env = env or child_env
         env = {**(env or {**machine(dev), "world_size": 1, "backend": "nccl" if dev.type == "cuda" else "gloo"})}

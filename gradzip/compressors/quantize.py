@@ -206,14 +206,48 @@ def _qsgd_bucket_encode(p, scale, chunk_starts, seed, *, s: int, bits: int):
     return kernels.pack_codes(xi.to(torch.int32).clamp(0, s) * 2 + (p < 0).to(torch.int32), bits)
 
 
+def _code_values(table, packed, n):
+    """The first n codes' values: each byte's row of ``table`` (a :func:`byte_table`), as
+    :func:`lookup_codes` without ``out``."""
+    return table.index_select(0, packed.to(torch.int32)).view(-1)[:n]
+
+
+def _spread(scale, starts, n, device):
+    """Each of n elements' segment's ``scale`` (segments after the first starting at ``starts``)."""
+    return scale.index_select(0, segment_of(n, starts, device))
+
+
 @kernels.fused
 def _bucket_residual(p, table, packed, scale, starts):
     """Error feedback's p - C(p) of this rank's own bucket payload, written into ``p``, for the codes
     whose value is their byte's entry of ``table`` times their segment's ``scale`` (segments starting
     at ``starts``): QSGD's sign * xi times its chunk's ||v|| / s (as :meth:`QSGD._bucket_decoded`),
     TernGrad's trit times its tensor's scaler; the reference paths' lookup and product, in one loop."""
-    value = table.index_select(0, packed.to(torch.int32)).view(-1)[: p.shape[0]]
-    return p.sub_(value * scale.index_select(0, segment_of(p.shape[0], starts, p.device)))
+    return p.sub_(_code_values(table, packed, p.shape[0]) * _spread(scale, starts, p.shape[0], p.device))
+
+
+@kernels.fused
+def _bucket_decoded(out, table, packed, scale, starts, *, add: bool):
+    """One rank's payload decoded as :func:`_bucket_residual` reads it (QSGD's sign * xi * ||v|| / s),
+    written into ``out`` or (``add``) added to it, the ranks in rank order: the reference path's
+    lookup, spread, product and sum in one loop, where they are a bucket-sized gather each."""
+    value = _code_values(table, packed, out.shape[0]) * _spread(scale, starts, out.shape[0], out.device)
+    return out.add_(value) if add else out.copy_(value)
+
+
+@kernels.fused
+def _codes_summed(out, table, packed, *, add: bool):
+    """One rank's code values (TernGrad's trits) written into ``out`` or (``add``) added to it: the
+    ranks' exact sum, in one loop per rank."""
+    value = _code_values(table, packed, out.shape[0])
+    return out.add_(value) if add else out.copy_(value)
+
+
+@kernels.fused
+def _segments_scaled(out, scale, starts, *, world: int):
+    """``out`` times its segment's ``scale``, over ``world``, in place (TernGrad's summed trits times
+    each tensor's scaler, the mean): the reference path's spread, product and quotient in one loop."""
+    return out.mul_(_spread(scale, starts, out.shape[0], out.device)).div_(world)
 
 
 @kernels.fused
@@ -434,11 +468,7 @@ class QSGD(GatheredCompressor):
             packed = _pack_codes(codes, self._bits)
             del ratio, up, codes  # bucket-sized: not to be held across the allgather and the decoding
         gathered = yield AllGather((norms, packed))
-        total, index = None, layout.chunk_index(self.bucket_size)  # one index spreads every rank's norms
-        for fields in gathered:  # rank order: the same floats on every rank
-            value = self._bucket_decoded(fields, layout, index)
-            total = value if total is None else total.add_(value)
-        del index
+        total = self._bucket_total(gathered, layout)
         # |Q_i| <= ||v||: the mean is at most the sum over ranks of each one's largest norm
         bound = torch.stack([f[0].abs().amax() for f in gathered]).sum() if norms.numel() else None
         return Exchanged(total.div_(b.world_size), lambda: self._bucket_decoded((norms, packed), layout),
@@ -450,6 +480,27 @@ class QSGD(GatheredCompressor):
             return None
         return lambda p: _bucket_residual.ahead(p, _signed_level_bytes(self._bits, p.device), packed,
                                                 norms.float() / self.levels, layout.chunk_starts(self.bucket_size))
+
+    def _bucket_total(self, gathered, layout) -> torch.Tensor:
+        """The ranks' decoded payloads summed in rank order (the same floats on every rank), flat
+        float32: one kernel per rank where :func:`_bucket_decoded` is compiled ahead, else (or for the
+        ranks after one it is not ready for yet: the same bits) :meth:`_bucket_decoded`'s operations."""
+        n, total, index = layout.numel, None, None
+        fused = 8 % self._bits == 0 and _bucket_decoded.wanted(n, layout.device)
+        for rank, fields in enumerate(gathered):
+            if fused:
+                norms, packed = fields
+                total = torch.empty(n, device=layout.device) if total is None else total
+                if _bucket_decoded.ahead(total, _signed_level_bytes(self._bits, packed.device), packed,
+                                         norms.float() / self.levels, layout.chunk_starts(self.bucket_size),
+                                         add=rank > 0) is not None:
+                    continue
+                fused = False
+            if index is None:
+                index = layout.chunk_index(self.bucket_size)  # one index spreads every rank's norms
+            value = self._bucket_decoded(fields, layout, index)
+            total = value if rank == 0 else total.add_(value)
+        return total
 
     def _bucket_decoded(self, fields, layout, index=None) -> torch.Tensor:
         """Q of one rank's bucket payload: (sign * xi) * (||v|| / s), flat float32 (``index``: the
@@ -650,19 +701,33 @@ class TernGrad(Compressor):
             del positive, up, codes  # bucket-sized: not to be held across the allgather and the decoding
         del g
         gathered = yield AllGather((packed,))
-        total = None
         table = _ternary_bytes(p.device)
-        for (got,) in gathered:  # trits in {-1, 0, 1}: exact sums
-            t = lookup_codes(got, table, n)
-            total = t if total is None else total.add_(t)
-        scale = layout.per_element(s)
+        total = self._trits_summed([got for (got,) in gathered], table, n)
+        if not (_segments_scaled.wanted(n, p) and _segments_scaled.ahead(
+                total, s, layout.tensor_starts, world=b.world_size) is not None):
+            total.mul_(layout.per_element(s)).div_(b.world_size)
         # N trits summed, times s: |sum| <= N max_i s_i, and the mean is at most that
         residual = None
         if _bucket_residual.wanted(n, p):
             residual = lambda q: _bucket_residual.ahead(q, table, packed, s, layout.tensor_starts)  # noqa: E731
-        return Exchanged(total.mul_(scale).div_(b.world_size),
-                         lambda: lookup_codes(packed, table, n).mul_(scale),
+        return Exchanged(total, lambda: lookup_codes(packed, table, n).mul_(layout.per_element(s)),
                          bound=s.abs().amax() * b.world_size, subtract_sent=residual)
+
+    @staticmethod
+    def _trits_summed(gathered, table, n) -> torch.Tensor:
+        """The ranks' trits in {-1, 0, 1} summed in rank order (exact), flat float32: one kernel per rank
+        where :func:`_codes_summed` is compiled ahead, else a lookup and an add each."""
+        total = None
+        fused = _codes_summed.wanted(n, table.device)
+        for rank, packed in enumerate(gathered):
+            if fused:
+                total = torch.empty(n, device=table.device) if total is None else total
+                if _codes_summed.ahead(total, table, packed, add=rank > 0) is not None:
+                    continue
+                fused = False
+            t = lookup_codes(packed, table, n)
+            total = t if rank == 0 else total.add_(t)
+        return total
 
     def bucket_payload_bytes(self, layout):
         return 4 * len(layout) + packed_nbytes(layout.numel, 2)
