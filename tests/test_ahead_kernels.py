@@ -44,7 +44,8 @@ CASES = [
     ("sketch", {"ratio": 0.05, "rows": 3, "width": 2.0}, ("_sketch_bucket", "_sketch_magnitude")),
     ("fp16", {"feedback": "residual"}, ("_half_share", "_half_residual")),
     ("bf16", {"feedback": "residual"}, ("_half_share", "_half_residual")),
-    ("dgc", {"min_numel": 0, "ratio": 0.1, "warmup_epochs": 0}, ("_counter_uniforms", "_dgc_thresholds", "_dgc_selected")),
+    ("dgc", {"min_numel": 0, "ratio": 0.1, "warmup_epochs": 0}, ("_counter_uniforms", "_dgc_thresholds", "_dgc_selected",
+                                                                      "_dgc_piece_counts")),
     ("randomk", {"ratio": 0.3}, ("_counter_hashes",)),
 ]
 QUANTISERS = ("qsgd", "terngrad", "natural")
@@ -167,6 +168,14 @@ def test_one_package_serves_every_size(shapes, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "SHAPES", shapes)
     compare_with_reference("qsgd", {"feedback": "residual"}, names, monkeypatch)
     assert all(kernel_named(name).failed_ahead is None for name in names)
+
+
+def test_dgc_counts_tensors_of_several_pieces(monkeypatch):
+    """DGC's counts per piece of 2^14 elements (:func:`_dgc_piece_counts`) add up per tensor as the
+    reference path's: tensors of several pieces, one a piece and an element long, one of exactly one."""
+    monkeypatch.setattr(sys.modules[__name__], "SHAPES", [(40000,), (3,), (128, 128), (16385,), (0,)])
+    params = next(case[1] for case in CASES if case[0] == "dgc")
+    compare_with_reference("dgc", params, ("_dgc_piece_counts",), monkeypatch)
 
 
 def test_the_compile_runs_in_a_child_while_exchanges_go_on(monkeypatch, tmp_path):

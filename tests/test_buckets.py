@@ -579,6 +579,10 @@ def test_per_tensor_reductions_cut_long_tensors_into_pieces(shapes):
     assert all(0 < b - a <= PIECE for a, b in zip(starts, starts[1:])) and starts[-1] == layout.numel
     assert torch.equal(layout.chunk_offsets(PIECE).diff(), layout.chunk_lengths(PIECE))
     assert layout._piece_offsets.diff().tolist() == [-(-n // PIECE) for n in layout.numels]
+    start, length, tensor = layout.piece_table  # the same pieces, for a kernel: start, length, tensor
+    assert start.tolist() == starts[:-1] and torch.equal(length, layout.chunk_lengths(PIECE).int())
+    assert tensor.tolist() == [i for i, n in enumerate(layout.numels) for _ in range(-(-n // PIECE))]
+    assert torch.equal(layout.reduce_pieces(layout.chunk_reduce(values, "max", PIECE), "max"), maxes)
     rows = [values.ge(t).float() for t in (-0.5, 0.0, 1.0)]  # several rows' counts at once: as each alone
     each = layout.reduce_each(iter(rows), total=torch.float64)
     assert each.shape == (3, len(layout)) and torch.equal(each, torch.stack([layout.reduce(r, total=torch.float64)

@@ -128,10 +128,21 @@ class BucketLayout:
         for v in values:
             firsts.append(self.chunk_reduce(v, how, PIECE))
             del v  # before the next one is made: a comprehension would hold two at once
-        first = torch.stack(firsts, dim=1)
-        if total is not None:
-            first = first.to(total)
-        return _segment_reduce(first, how, self._piece_offsets).T
+        return self.reduce_pieces(torch.stack(firsts, dim=1), how, total).T
+
+    def reduce_pieces(self, first: torch.Tensor, how: str = "sum", total: torch.dtype = None) -> torch.Tensor:
+        """:meth:`reduce`'s second level: per tensor, the ``how`` of its pieces' rows of ``first`` (a row
+        per piece, :attr:`piece_table`'s order), in ``total`` where given."""
+        return _segment_reduce(first if total is None else first.to(total), how, self._piece_offsets)
+
+    @functools.cached_property
+    def piece_table(self) -> tuple:
+        """The pieces of :meth:`reduce` for a kernel: each one's start, length and tensor (int32, on the
+        device), each tensor cut from its start into pieces of :data:`PIECE` elements, its last shorter."""
+        rows = [(start, min(PIECE, offset + n - start), i)
+                for i, (offset, n) in enumerate(zip(self.offsets, self.numels)) for start in range(offset, offset + n, PIECE)]
+        table = torch.tensor(rows, dtype=torch.int32).reshape(-1, 3).T.contiguous().to(self.device)
+        return tuple(table)
 
     def chunk_reduce(self, values: torch.Tensor, how: str, size: int) -> torch.Tensor:
         """Per chunk (:meth:`chunk_lengths`), the ``how`` ("sum" or "max", at least 0) of the flat

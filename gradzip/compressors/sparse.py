@@ -22,6 +22,7 @@ from ..bits import index_dtype
 from .base import AllGather, AllReduce, Compressor, Exchanged, GatheredCompressor, TensorContext, check_ratio
 from .base import value_dtype as _parse_value_dtype
 from .base import compare, count_true, wire_cast, workspace, zeroed
+from .bucket import PIECE
 from .registry import register
 
 
@@ -1138,11 +1139,32 @@ def _dgc_selected(absp, counts_by_tensor, thresholds, enough, k, index, top):
 def _counts_at_least(absp: torch.Tensor, thresholds: torch.Tensor, plan: _DGCPlan,
                      index: torch.Tensor) -> torch.Tensor:
     """Per threshold (rows) and tensor (columns), how many of the tensor's elements of ``absp`` are >=
-    it: row by row (R + 1 of them: a bucket's worth of memory at a time, not R + 1), each row spread
-    over the elements by ``index`` (:meth:`BucketLayout.segment_index`), compared in place (1.0 where
-    the threshold is at most |p|: no bool and no float copy of it), and counted by a segmented sum
-    (exact: float32 within a piece, float64 over a tensor's pieces, all rows' at once)."""
-    return plan.layout.reduce_each((row.index_select(0, index).le_(absp) for row in thresholds), total=torch.float64)
+    it: every threshold's count per piece of the bucket in one kernel where it is compiled ahead
+    (:func:`_dgc_piece_counts`), else row by row (R + 1 of them: a bucket's worth of memory at a time,
+    not R + 1), each row spread over the elements by ``index`` (:meth:`BucketLayout.segment_index`),
+    compared in place (1.0 where the threshold is at most |p|: no bool and no float copy of it) and
+    counted per piece; then each tensor's pieces summed (exact either way: at most 2^14 a piece, float64
+    over a tensor's pieces, all rows' at once)."""
+    layout = plan.layout
+    if _dgc_piece_counts.wanted(layout.numel, absp):
+        first = _dgc_piece_counts.ahead(absp, *layout.piece_table, *thresholds.unbind(0), width=PIECE)
+        if first is not None:
+            return layout.reduce_pieces(first, total=torch.float64).T
+    return layout.reduce_each((row.index_select(0, index).le_(absp) for row in thresholds), total=torch.float64)
+
+
+@kernels.fused
+def _dgc_piece_counts(absp, start, length, tensor, *thresholds, width: int):
+    """Per piece of the bucket (rows: each one's ``start``, ``length`` and ``tensor``) and threshold
+    (columns; each of ``thresholds`` one per tensor: separate arguments, so that their number is
+    fixed in the package), how many of the piece's elements of ``absp`` are at least its tensor's
+    threshold: one pass over the bucket for all of them, where the reference path spreads and compares
+    each one over the whole bucket.  Counts are exact whatever order they add in."""
+    at = torch.arange(width, dtype=torch.int32, device=absp.device)
+    inside = at < length.unsqueeze(1)  # (pieces, width)
+    values = absp.index_select(0, torch.where(inside, start.unsqueeze(1) + at, 0).view(-1)).view(inside.shape)
+    return torch.stack([((row.index_select(0, tensor).unsqueeze(1) <= values) & inside).sum(dim=1, dtype=torch.int32)
+                        for row in thresholds], dim=1)
 
 
 def _class_top_k(absp: torch.Tensor, layout, plan: _DGCPlan) -> torch.Tensor:
