@@ -3,7 +3,8 @@
 # is cold), from the repository root:
 #   PYTHONPATH=. bash scripts/gpu_check.sh
 # Needs torch with CUDA, typer, rich and pytest (installs nothing).  Every step's output also goes to
-# $OUT_DIR: step.json/step.log (gradzip bench step), gpu_tests.log, kernels.json/kernels.log; optional
+# $OUT_DIR: warm.log (each method's first steps side by side, compiling its kernels ahead: WARM_JOBS),
+# step.json/step.log (gradzip bench step), gpu_tests.log, kernels.json/kernels.log; optional
 # steps: ISSUE_METHODS (step_inline.*: issued from DDP's hook), MEMORY_METHODS (memory.log: what is alive
 # at each method's memory peak, by the line that allocated it; about 40 s a method).
 # A failing step does not stop the later ones; the script exits 1 if bench step or bench kernels failed
@@ -37,6 +38,23 @@ step_rc=0; start=$SECONDS
 # (26 contenders, 8-15 minutes) needs a run of its own.
 STEP_METHODS=${STEP_METHODS:-ddp,torch-fp16,torch-bf16,torch-powersgd,none,fp16,bf16,topk,qsgd,efsignsgd,powersgd,dgc}
 [ "$STEP_METHODS" = all ] && STEP_METHODS=
+
+# Kernels compiled ahead, once per machine: each contender's first steps in processes side by side (up
+# to WARM_JOBS at once, each waiting for its packages, their compiles on every core), so that the timed
+# table below loads them instead of compiling one contender at a time (35-45 s each when cold).
+WARM_JOBS=${WARM_JOBS:-6}  # 0: no warm-up
+WARM_TIMEOUT=${WARM_TIMEOUT:-240}
+if [ "$WARM_JOBS" -gt 0 ]; then
+  warm_start=$SECONDS
+  echo "== warming the cache of kernels compiled ahead ($WARM_JOBS at once) =="
+  methods=${STEP_METHODS:-$("$PYTHON" -c 'import gradzip; print(",".join(gradzip.compressors()))')}
+  echo "$methods" | tr ',' '\n' | grep -v -E '^(ddp|torch-.*)$' \
+    | timeout "$WARM_TIMEOUT" xargs -P "$WARM_JOBS" -I{} "$PYTHON" -m gradzip bench step --device cuda --methods {} \
+        --steps 1 --warmup 1 --profile-steps 1 --no-isolate > "$OUT_DIR/warm.log" 2>&1 || true
+  echo "warm-up: $((SECONDS - warm_start)) s (its output: warm.log)"
+fi
+
+start=$SECONDS
 echo "== gradzip bench step (DDP, PyTorch's hooks, gradzip methods: ${STEP_METHODS:-all}) =="
 timeout "$STEP_TIMEOUT" "$PYTHON" -m gradzip bench step --device cuda $STEP_ARGS ${STEP_METHODS:+--methods "$STEP_METHODS"} --json "$OUT_DIR/step.json" 2>&1 \
   | tee "$OUT_DIR/step.log" || step_rc=$?
