@@ -40,7 +40,7 @@ CASES = [
     ("efsignsgd", {}, ("_bucket_sign_bits", "_ef_bucket_residual")),
     ("signsgd", {}, ("_bucket_trits",)),
     ("signum", {"zeros": "plus"}, ("_bucket_sign_bits",)),
-    ("onebit", {}, ("_bucket_sign_bits",)),
+    ("onebit", {}, ("_bucket_sign_bits", "_onebit_decoded")),
     ("sketch", {"ratio": 0.05, "rows": 3, "width": 2.0}, ("_sketch_bucket", "_sketch_magnitude")),
     ("fp16", {"feedback": "residual"}, ("_half_share", "_half_residual")),
     ("bf16", {"feedback": "residual"}, ("_half_share", "_half_residual")),
@@ -147,7 +147,8 @@ def test_kernels_compiled_ahead_agree_with_reference_bit_for_bit(method, params,
 
 
 @pytest.mark.parametrize("method, names", [("qsgd", ("_bucket_decoded",)),
-                                           ("terngrad", ("_codes_summed", "_segments_scaled"))])
+                                           ("terngrad", ("_codes_summed", "_segments_scaled")),
+                                           ("onebit", ("_onebit_decoded",))])
 def test_decoding_kernels_sum_two_ranks_in_rank_order(method, names, monkeypatch):
     """Two ranks (threads), each rank's payload decoded by one kernel (the first written, the next added
     to it): the reference path's bits on every rank."""

@@ -452,21 +452,32 @@ class OneBit(GatheredCompressor):
         means = torch.cat(sums[0] + sums[1]).div_(torch.cat(counts[0] + counts[1]).clamp_(min=1)) if groups \
             else p.new_empty(0)  # a bucket of empty tensors
         gathered = yield AllGather((means, _bucket_signs(p)))
+        at = None  # the reference path's index, made where it is first needed
+        fused = plan.table is not None and _onebit_decoded.wanted(layout.numel, p)
 
-        at = plan.column_index().mul_(2).add_(1)  # 2 j + 1 for an element of column j
-
-        def decoded(fields):
+        def decoded(fields, total=None):
+            """One rank's decoded payload, or (``total``) it added to ``total``."""
+            nonlocal at, fused
+            if fused:
+                out = torch.empty(layout.numel, device=p.device) if total is None else total
+                a, b_ = fields[0].view(2, columns)
+                if _onebit_decoded.ahead(out, a, b_, fields[1], layout.tensor_starts, *plan.table,
+                                         add=total is not None) is not None:
+                    return out
+                fused = False  # not ready for this form yet: the same bits by the reference path
+            if at is None:
+                at = plan.column_index().mul_(2).add_(1)  # 2 j + 1 for an element of column j
             # One gather from the (a_j, b_j) pairs, at 2 j + 1 - bit: a bucket's floats once, not three
             # times; the bits taken off the index and put back, exactly, rather than a new index per rank.
             pairs = fields[0].view(2, columns).t().reshape(-1)
             bits = bits_of(fields[1], layout.numel)
             values = pairs.index_select(0, at.sub_(bits))
             at.add_(bits)
-            return values
+            return values if total is None else total.add_(values)
 
         total = decoded(gathered[0])
         for fields in gathered[1:]:  # rank order, as exchange() adds the decoded tensors
-            total += decoded(fields)
+            total = decoded(fields, total)
         own = gathered[b.rank]
         return Exchanged(total.div_(world), lambda: decoded(own))
 
@@ -537,10 +548,33 @@ class _ColumnIndex:
         self.jumps_at = torch.cat(jumps_at).to(device) if jumps_at else self.changes_at[:0]
         self.jumps = torch.cat(jumps).to(device=device, dtype=self.dtype) if jumps else self.changes[:0]
 
+        # For a kernel (:func:`_onebit_decoded`): per tensor its offset, columns and first column, int32
+        # (None where int32 does not hold them); an empty tensor's 1 column keeps the remainder defined.
+        self.table = None
+        if self.dtype == torch.int32 and layout.numel < 2**31:
+            rows = [(offset, *first_column.get(i, (0, 1))[::-1]) for i, offset in enumerate(layout.offsets)]
+            self.table = tuple(torch.tensor(rows, dtype=torch.int32).reshape(-1, 3).T.contiguous().to(device))
+
     def column_index(self) -> torch.Tensor:
         steps = torch.zeros(self.numel, dtype=self.dtype, device=self.jumps.device)
         steps.index_put_((self.changes_at,), self.changes).cumsum_(0)
         return steps.index_put_((self.jumps_at,), self.jumps).cumsum_(0)
+
+
+@kernels.fused
+def _onebit_decoded(out, a, b, packed, tensor_starts, offsets, cols, bases, *, add: bool):
+    """One rank's 1-bit SGD payload decoded into ``out`` or (``add``) added to it: element e of tensor t
+    (its ``segment_of`` ``tensor_starts``) lies in column j = base_t + (e - offset_t) mod cols_t (per
+    tensor ``offsets``, ``cols``, ``bases``), and decodes to a_j where its bit is 1, else b_j: the
+    reference path's column index, bits and gather in one loop, no index over the bucket made."""
+    n = out.shape[0]
+    at = torch.arange(n, dtype=torch.int32, device=out.device)
+    tensor = segment_of(n, tensor_starts, out.device)
+    offset, cols, base = (t.index_select(0, tensor) for t in (offsets, cols, bases))
+    column = base + torch.remainder(at - offset, cols.clamp(min=1))  # >= 1 already; the compile's check passes 0s
+    bit = (packed.index_select(0, at >> 3).to(torch.int32) >> (at & 7)) & 1
+    value = torch.where(bit == 1, a.index_select(0, column), b.index_select(0, column))
+    return out.add_(value) if add else out.copy_(value)
 
 
 class _SignVote(GatheredCompressor):
