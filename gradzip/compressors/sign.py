@@ -460,8 +460,7 @@ class OneBit(GatheredCompressor):
             nonlocal at, fused
             if fused:
                 out = torch.empty(layout.numel, device=p.device) if total is None else total
-                a, b_ = fields[0].view(2, columns)
-                if _onebit_decoded.ahead(out, a, b_, fields[1], layout.tensor_starts, *plan.table,
+                if _onebit_decoded.ahead(out, fields[0], fields[1], layout.tensor_starts, *plan.table,
                                          add=total is not None) is not None:
                     return out
                 fused = False  # not ready for this form yet: the same bits by the reference path
@@ -562,18 +561,20 @@ class _ColumnIndex:
 
 
 @kernels.fused
-def _onebit_decoded(out, a, b, packed, tensor_starts, offsets, cols, bases, *, add: bool):
+def _onebit_decoded(out, means, packed, tensor_starts, offsets, cols, bases, *, add: bool):
     """One rank's 1-bit SGD payload decoded into ``out`` or (``add``) added to it: element e of tensor t
     (its ``segment_of`` ``tensor_starts``) lies in column j = base_t + (e - offset_t) mod cols_t (per
-    tensor ``offsets``, ``cols``, ``bases``), and decodes to a_j where its bit is 1, else b_j: the
-    reference path's column index, bits and gather in one loop, no index over the bucket made."""
-    n = out.shape[0]
+    tensor ``offsets``, ``cols``, ``bases``), and decodes to a_j where its bit is 1, else b_j (``means``:
+    the C a's, then the C b's, whole: a view of the b's would start unaligned for a GPU kernel, which
+    would then copy it): the reference path's column index, bits and gather in one loop, no index over
+    the bucket made."""
+    n, columns = out.shape[0], means.shape[0] // 2
     at = torch.arange(n, dtype=torch.int32, device=out.device)
     tensor = segment_of(n, tensor_starts, out.device)
     offset, cols, base = (t.index_select(0, tensor) for t in (offsets, cols, bases))
     column = base + torch.remainder(at - offset, cols.clamp(min=1))  # >= 1 already; the compile's check passes 0s
     bit = (packed.index_select(0, at >> 3).to(torch.int32) >> (at & 7)) & 1
-    value = torch.where(bit == 1, a.index_select(0, column), b.index_select(0, column))
+    value = torch.where(bit == 1, means.index_select(0, column), means.index_select(0, column + columns))
     return out.add_(value) if add else out.copy_(value)
 
 

@@ -915,7 +915,7 @@ class DGC(MaskedBucket, Sparsifier):
         """:meth:`_bucket_mask`'s selection, from the bucket's |v|."""
         layout = b.layout
         sample, short = plan.sorted(absp, b.uniforms(len(layout), shared=False, salt="dgc"))
-        thresholds = _dgc_thresholds.ahead(sample, short, *plan.ranks_short, *plan.ranks_full)
+        thresholds = _dgc_thresholds.ahead(sample, short, *plan.rows_short, *plan.rows_full)
         if thresholds is None:
             thresholds = _thresholds(sample, short, plan.ranks_short, plan.ranks_full)
         index = layout.segment_index()  # one int32 index spreads every per-tensor quantity below
@@ -1052,6 +1052,10 @@ class _DGCPlan(_SamplePlan):
         ks = [math.ceil(density * n) for n in layout.numels]
         self.ranks_full, self.ranks_short = self.rank_slots(
             lambda s: [min(math.ceil(s * density) << j, s) for j in range(retries + 1)])
+        # the rows again, each a tensor of its own, for a kernel: a row viewed at an unaligned start
+        # would be copied by the GPU kernel at every call
+        self.rows_short, self.rows_full = (tuple(row.clone() for row in ranks)
+                                           for ranks in (self.ranks_short, self.ranks_full))
         enough = [[float(math.ceil(lower_bound * k))] * retries + [-math.inf] for k in ks]
         self.enough, self.k = self._device(enough, torch.float64).T.contiguous(), self._device(ks, torch.float64)
         self.classes = [(size.members, math.ceil(density * size.numel), size.starts.view(-1, 1))
@@ -1147,24 +1151,27 @@ def _counts_at_least(absp: torch.Tensor, thresholds: torch.Tensor, plan: _DGCPla
     over a tensor's pieces, all rows' at once)."""
     layout = plan.layout
     if _dgc_piece_counts.wanted(layout.numel, absp):
-        first = _dgc_piece_counts.ahead(absp, *layout.piece_table, *thresholds.unbind(0), width=PIECE)
+        first = _dgc_piece_counts.ahead(absp, *layout.piece_table, thresholds.reshape(-1), width=PIECE,
+                                        rows=thresholds.shape[0])
         if first is not None:
             return layout.reduce_pieces(first, total=torch.float64).T
     return layout.reduce_each((row.index_select(0, index).le_(absp) for row in thresholds), total=torch.float64)
 
 
 @kernels.fused
-def _dgc_piece_counts(absp, start, length, tensor, *thresholds, width: int):
+def _dgc_piece_counts(absp, start, length, tensor, thresholds, *, width: int, rows: int):
     """Per piece of the bucket (rows: each one's ``start``, ``length`` and ``tensor``) and threshold
-    (columns; each of ``thresholds`` one per tensor: separate arguments, so that their number is
-    fixed in the package), how many of the piece's elements of ``absp`` are at least its tensor's
-    threshold: one pass over the bucket for all of them, where the reference path spreads and compares
-    each one over the whole bucket.  Counts are exact whatever order they add in."""
+    (columns; ``thresholds``: ``rows`` rows of one per tensor, flat, so that their number is fixed in
+    the package and no row is a view a GPU kernel would find unaligned), how many of the piece's
+    elements of ``absp`` are at least its tensor's threshold: one pass over the bucket for all of them,
+    where the reference path spreads and compares each one over the whole bucket.  Counts are exact
+    whatever order they add in."""
+    tensors = thresholds.shape[0] // rows
     at = torch.arange(width, dtype=torch.int32, device=absp.device)
     inside = at < length.unsqueeze(1)  # (pieces, width)
     values = absp.index_select(0, torch.where(inside, start.unsqueeze(1) + at, 0).view(-1)).view(inside.shape)
-    return torch.stack([((row.index_select(0, tensor).unsqueeze(1) <= values) & inside).sum(dim=1, dtype=torch.int32)
-                        for row in thresholds], dim=1)
+    return torch.stack([((thresholds.index_select(0, tensor + r * tensors).unsqueeze(1) <= values) & inside)
+                        .sum(dim=1, dtype=torch.int32) for r in range(rows)], dim=1)
 
 
 def _class_top_k(absp: torch.Tensor, layout, plan: _DGCPlan) -> torch.Tensor:
