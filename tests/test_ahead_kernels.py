@@ -146,6 +146,27 @@ def test_kernels_compiled_ahead_agree_with_reference_bit_for_bit(method, params,
     compare_with_reference(method, params, names, monkeypatch)
 
 
+def test_kernel_arguments_start_aligned(monkeypatch):
+    """Every tensor a kernel compiled ahead is given starts 16-byte aligned, as a GPU package assumes of
+    what it was compiled with (else it copies the argument at every call), the sketch's seed rows
+    apart (made at every exchange, one view per hash row). Counted without compiling: the calls are
+    spied on and no package is asked for."""
+    unaligned = []
+    monkeypatch.setattr(ahead, "submit", lambda job: None)  # nothing compiles: every call its reference path
+    for kernel in kernels.KERNELS:
+        original = kernel.ahead
+
+        def spied(*args, _kernel=kernel, _original=original, **static):
+            unaligned.extend((_kernel.__name__, i) for i, a in enumerate(args) if isinstance(a, torch.Tensor)
+                             and a.numel() and a.storage_offset() * a.element_size() % 16)
+            return _original(*args, **static)
+        monkeypatch.setattr(kernel, "_ahead", {})
+        monkeypatch.setattr(kernel, "ahead", spied)
+    for method, params, _ in CASES:
+        exchanges(method, params, 2)
+    assert unaligned and all(name.startswith("_sketch") for name, _ in unaligned), sorted(set(unaligned))
+
+
 @pytest.mark.parametrize("method, names", [("qsgd", ("_bucket_decoded",)),
                                            ("terngrad", ("_codes_summed", "_segments_scaled")),
                                            ("onebit", ("_onebit_decoded",))])

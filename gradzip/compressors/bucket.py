@@ -141,8 +141,8 @@ class BucketLayout:
         device), each tensor cut from its start into pieces of :data:`PIECE` elements, its last shorter."""
         rows = [(start, min(PIECE, offset + n - start), i)
                 for i, (offset, n) in enumerate(zip(self.offsets, self.numels)) for start in range(offset, offset + n, PIECE)]
-        table = torch.tensor(rows, dtype=torch.int32).reshape(-1, 3).T.contiguous().to(self.device)
-        return tuple(table)
+        table = torch.tensor(rows, dtype=torch.int32).reshape(-1, 3).T
+        return tuple(column.contiguous().to(self.device) for column in table)  # each its own: no row views
 
     def chunk_reduce(self, values: torch.Tensor, how: str, size: int) -> torch.Tensor:
         """Per chunk (:meth:`chunk_lengths`), the ``how`` ("sum" or "max", at least 0) of the flat

@@ -552,7 +552,8 @@ class _ColumnIndex:
         self.table = None
         if self.dtype == torch.int32 and layout.numel < 2**31:
             rows = [(offset, *first_column.get(i, (0, 1))[::-1]) for i, offset in enumerate(layout.offsets)]
-            self.table = tuple(torch.tensor(rows, dtype=torch.int32).reshape(-1, 3).T.contiguous().to(device))
+            table = torch.tensor(rows, dtype=torch.int32).reshape(-1, 3).T
+            self.table = tuple(column.contiguous().to(device) for column in table)  # each its own: no row views
 
     def column_index(self) -> torch.Tensor:
         steps = torch.zeros(self.numel, dtype=self.dtype, device=self.jumps.device)
