@@ -4,7 +4,8 @@
 #   PYTHONPATH=. bash scripts/gpu_check.sh
 # Needs torch with CUDA, typer, rich and pytest (installs nothing).  Every step's output also goes to
 # $OUT_DIR: warm.log (each method's first steps side by side, compiling its kernels ahead: WARM_JOBS),
-# step.json/step.log (gradzip bench step), gpu_tests.log, kernels.json/kernels.log; optional
+# step.json/step.log (gradzip bench step), gpu_tests.log, kernels.json/kernels.log, each failed
+# compile's NAME.failed (the reason, then the compiler's output); optional
 # steps: ISSUE_METHODS (step_inline.*: issued from DDP's hook), MEMORY_METHODS (memory.log: what is alive
 # at each method's memory peak, by the line that allocated it; about 40 s a method).
 # A failing step does not stop the later ones; the script exits 1 if bench step or bench kernels failed
@@ -89,6 +90,11 @@ if [ -n "$MEMORY_METHODS" ]; then
   done
   rm -rf "$snapshots"
 fi
+
+# Compiles that failed: each .failed file's first line is the reason, then the compiler's output.
+for failed in "$GRADZIP_KERNEL_CACHE"/*.failed; do
+  [ -f "$failed" ] && cp "$failed" "$OUT_DIR/" && echo "a compile failed: $(basename "$failed"): $(head -c 300 "$failed" | head -1)"
+done
 
 echo "exit codes (124: timed out): bench step $step_rc in ${step_s} s, GPU tests $tests_rc (5: none selected)" \
   "in ${tests_s} s, bench kernels $kernels_rc in ${kernels_s} s" \

@@ -533,11 +533,17 @@ def _terngrad_encode(g, bound, s, draws):
 
 
 @kernels.fused
-def _terngrad_bucket_encode(g, s, tensor_starts, seed):
-    """TernGrad's packed codes t + 1 of a whole bucket's clipped ``g`` in one loop
-    (:meth:`TernGrad.bucket_exchange`): each element's scaler gathered by its tensor (``segment_of`` the
-    layout's tensor starts), its uniform drawn from ``seed`` by counter."""
-    up = kernels.counter_uniforms(g, seed) < g.abs() / s.index_select(0, segment_of(g.shape[0], tensor_starts, g.device))
+def _terngrad_bucket_encode(p, bound, s, tensor_starts, seed, *, clip: bool):
+    """TernGrad's packed codes t + 1 of a whole bucket in one loop (:meth:`TernGrad.bucket_exchange`):
+    ``p`` clipped to [-bound_i, bound_i] where ``clip`` (the reference path's two clamps), each
+    element's bound and scaler gathered by its tensor (``segment_of`` the layout's tensor starts), its
+    uniform drawn from ``seed`` by counter."""
+    tensor = segment_of(p.shape[0], tensor_starts, p.device)
+    g = p
+    if clip:
+        spread = bound.index_select(0, tensor)
+        g = torch.clamp(p, max=spread).clamp(min=-spread)
+    up = kernels.counter_uniforms(p, seed) < g.abs() / s.index_select(0, tensor)
     return kernels.pack_codes(((g > 0) & up).to(torch.int32) * 2 + 1 - up.to(torch.int32), 2)
 
 
@@ -674,20 +680,26 @@ class TernGrad(Compressor):
         Wire: one fp32 scaler per tensor (allreduced), then the bucket's n codes t + 1, 2 bits each,
         packed together (allgathered): 4 * tensors + ceil(n / 4) bytes."""
         layout, n = b.layout, b.layout.numel
-        g = p
+        bound = None  # per tensor, c sigma_i
         if self.clip is not None:
-            sigma = layout.segment_mean(p.square()).sqrt_()
-            bound = layout.per_element(sigma.mul_(self.clip))
-            g = torch.clamp(p, max=bound).clamp_(min=bound.neg_())  # bound >= 0: clamp(p, -bound, bound)
-            del bound
-        s_local = layout.reduce(g.abs(), "max")
+            bound = layout.segment_mean(p.square()).sqrt_().mul_(self.clip)
+        # max |clip(g_i)| = min(max |g_i|, c sigma_i): no clipped copy of the bucket made for it
+        s_local = layout.reduce(p.abs(), "max")
+        if bound is not None:
+            s_local = torch.minimum(s_local, bound)
         s = yield AllReduce(s_local, op="max")
         # s == 0 means g == 0 in that tensor: the clamp turns 0/0 into probability 0 instead of NaN (and
         # the trits there are 0, so the aggregate, t * tiny, is still 0).
         s = s.clamp_min(torch.finfo(torch.float32).tiny)
         packed = None
-        if _terngrad_bucket_encode.wanted(n, g):
-            packed = _terngrad_bucket_encode.ahead(g, s, layout.tensor_starts, b.kernel_seed(shared=False, salt="terngrad"))
+        if _terngrad_bucket_encode.wanted(n, p):
+            packed = _terngrad_bucket_encode.ahead(p, s if bound is None else bound, s, layout.tensor_starts,
+                                                   b.kernel_seed(shared=False, salt="terngrad"), clip=bound is not None)
+        g = p
+        if packed is None and bound is not None:  # the kernel's reference path clips first
+            spread = layout.per_element(bound)
+            g = torch.clamp(p, max=spread).clamp_(min=spread.neg_())  # bound >= 0: clamp(p, -bound, bound)
+            del spread
         if packed is None:  # the kernel's reference path, one operation at a time
             positive = g > 0
             # |g| / s in g's memory where g is this exchange's own (the clip's), and the spread s freed
