@@ -17,7 +17,7 @@ import itertools
 import math
 import operator
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -139,10 +139,9 @@ class BucketLayout:
     def piece_table(self) -> tuple:
         """The pieces of :meth:`reduce` for a kernel: each one's start, length and tensor (int32, on the
         device), each tensor cut from its start into pieces of :data:`PIECE` elements, its last shorter."""
-        rows = [(start, min(PIECE, offset + n - start), i)
-                for i, (offset, n) in enumerate(zip(self.offsets, self.numels)) for start in range(offset, offset + n, PIECE)]
-        table = torch.tensor(rows, dtype=torch.int32).reshape(-1, 3).T
-        return tuple(column.contiguous().to(self.device) for column in table)  # each its own: no row views
+        return int32_columns([(start, min(PIECE, offset + n - start), i)
+                              for i, (offset, n) in enumerate(zip(self.offsets, self.numels))
+                              for start in range(offset, offset + n, PIECE)], 3, self.device)
 
     def chunk_reduce(self, values: torch.Tensor, how: str, size: int) -> torch.Tensor:
         """Per chunk (:meth:`chunk_lengths`), the ``how`` ("sum" or "max", at least 0) of the flat
@@ -284,6 +283,33 @@ class BucketContext(StagedContext):
             return None  # no seed tensor made for nothing
         like = torch.empty(n, dtype=torch.int32, device=self.layout.device)  # unread: a bare allocation
         return kernel.ahead(like, self.kernel_seed(shared=shared, salt=salt))
+
+
+def int32_columns(rows: Sequence[tuple], width: int, device: torch.device) -> tuple:
+    """The columns of ``rows`` (each ``width`` integers) as int32 tensors on ``device``, each one of its
+    own: a kernel compiled ahead for a GPU copies, at every call, an argument viewed at an unaligned
+    start, as a row of one (columns, rows) tensor would be."""
+    table = torch.tensor(rows, dtype=torch.int32).reshape(-1, width)
+    return tuple(column.contiguous().to(device) for column in table.T)
+
+
+def summed_in_rank_order(gathered: Sequence, n: int, device: torch.device, fused: Optional[Callable],
+                         decoded: Callable) -> torch.Tensor:
+    """The ranks' payloads (``gathered``, in rank order) decoded and summed in that order: n float32.
+    ``fused(out, fields, add)``, a kernel compiled ahead, writes a rank's values into ``out`` (``add``:
+    adds them) and gives None where it is not ready; from the first rank it declines on (or with no
+    ``fused``), ``decoded(fields)``'s eager values are added instead: the same bits either way."""
+    total = None
+    for fields in gathered:
+        if fused is not None:
+            out = torch.empty(n, device=device) if total is None else total
+            if fused(out, fields, total is not None) is not None:
+                total = out
+                continue
+            fused = None  # not ready for this form: the ranks after it eagerly
+        value = decoded(fields)
+        total = value if total is None else total.add_(value)
+    return total
 
 
 def segment_of(n: int, starts: torch.Tensor, device: torch.device) -> torch.Tensor:

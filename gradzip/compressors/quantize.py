@@ -21,7 +21,7 @@ from .. import devices, kernels
 from ..bits import byte_table, lookup_codes, pack_bits, packed_nbytes, unpack_bits
 from .base import (AllGather, AllReduce, Compressor, Exchanged, GatheredCompressor, TensorContext, chunked_sum, compare,
                    packed_codes, workspace)
-from .bucket import segment_of
+from .bucket import segment_of, summed_in_rank_order
 from .registry import register
 
 
@@ -206,12 +206,6 @@ def _qsgd_bucket_encode(p, scale, chunk_starts, seed, *, s: int, bits: int):
     return kernels.pack_codes(xi.to(torch.int32).clamp(0, s) * 2 + (p < 0).to(torch.int32), bits)
 
 
-def _code_values(table, packed, n):
-    """The first n codes' values: each byte's row of ``table`` (a :func:`byte_table`), as
-    :func:`lookup_codes` without ``out``."""
-    return table.index_select(0, packed.to(torch.int32)).view(-1)[:n]
-
-
 def _spread(scale, starts, n, device):
     """Each of n elements' segment's ``scale`` (segments after the first starting at ``starts``)."""
     return scale.index_select(0, segment_of(n, starts, device))
@@ -223,7 +217,7 @@ def _bucket_residual(p, table, packed, scale, starts):
     whose value is their byte's entry of ``table`` times their segment's ``scale`` (segments starting
     at ``starts``): QSGD's sign * xi times its chunk's ||v|| / s (as :meth:`QSGD._bucket_decoded`),
     TernGrad's trit times its tensor's scaler; the reference paths' lookup and product, in one loop."""
-    return p.sub_(_code_values(table, packed, p.shape[0]) * _spread(scale, starts, p.shape[0], p.device))
+    return p.sub_(lookup_codes(packed, table, p.shape[0]) * _spread(scale, starts, p.shape[0], p.device))
 
 
 @kernels.fused
@@ -231,7 +225,7 @@ def _bucket_decoded(out, table, packed, scale, starts, *, add: bool):
     """One rank's payload decoded as :func:`_bucket_residual` reads it (QSGD's sign * xi * ||v|| / s),
     written into ``out`` or (``add``) added to it, the ranks in rank order: the reference path's
     lookup, spread, product and sum in one loop, where they are a bucket-sized gather each."""
-    value = _code_values(table, packed, out.shape[0]) * _spread(scale, starts, out.shape[0], out.device)
+    value = lookup_codes(packed, table, out.shape[0]) * _spread(scale, starts, out.shape[0], out.device)
     return out.add_(value) if add else out.copy_(value)
 
 
@@ -239,7 +233,7 @@ def _bucket_decoded(out, table, packed, scale, starts, *, add: bool):
 def _codes_summed(out, table, packed, *, add: bool):
     """One rank's code values (TernGrad's trits) written into ``out`` or (``add``) added to it: the
     ranks' exact sum, in one loop per rank."""
-    value = _code_values(table, packed, out.shape[0])
+    value = lookup_codes(packed, table, out.shape[0])
     return out.add_(value) if add else out.copy_(value)
 
 
@@ -483,24 +477,21 @@ class QSGD(GatheredCompressor):
 
     def _bucket_total(self, gathered, layout) -> torch.Tensor:
         """The ranks' decoded payloads summed in rank order (the same floats on every rank), flat
-        float32: one kernel per rank where :func:`_bucket_decoded` is compiled ahead, else (or for the
-        ranks after one it is not ready for yet: the same bits) :meth:`_bucket_decoded`'s operations."""
-        n, total, index = layout.numel, None, None
-        fused = 8 % self._bits == 0 and _bucket_decoded.wanted(n, layout.device)
-        for rank, fields in enumerate(gathered):
-            if fused:
-                norms, packed = fields
-                total = torch.empty(n, device=layout.device) if total is None else total
-                if _bucket_decoded.ahead(total, _signed_level_bytes(self._bits, packed.device), packed,
-                                         norms.float() / self.levels, layout.chunk_starts(self.bucket_size),
-                                         add=rank > 0) is not None:
-                    continue
-                fused = False
+        float32: a kernel per rank where :func:`_bucket_decoded` is compiled ahead, else
+        :meth:`_bucket_decoded`'s operations (:func:`summed_in_rank_order`)."""
+        index = None  # the layout's chunk index, made where the eager path first needs it
+
+        def decoded(fields):
+            nonlocal index
             if index is None:
                 index = layout.chunk_index(self.bucket_size)  # one index spreads every rank's norms
-            value = self._bucket_decoded(fields, layout, index)
-            total = value if rank == 0 else total.add_(value)
-        return total
+            return self._bucket_decoded(fields, layout, index)
+        fused = None
+        if 8 % self._bits == 0 and _bucket_decoded.wanted(layout.numel, layout.device):
+            table, starts = _signed_level_bytes(self._bits, layout.device), layout.chunk_starts(self.bucket_size)
+            fused = lambda out, fields, add: _bucket_decoded.ahead(  # noqa: E731
+                out, table, fields[1], fields[0].float() / self.levels, starts, add=add)
+        return summed_in_rank_order(gathered, layout.numel, layout.device, fused, decoded)
 
     def _bucket_decoded(self, fields, layout, index=None) -> torch.Tensor:
         """Q of one rank's bucket payload: (sign * xi) * (||v|| / s), flat float32 (``index``: the
@@ -695,12 +686,12 @@ class TernGrad(Compressor):
         if _terngrad_bucket_encode.wanted(n, p):
             packed = _terngrad_bucket_encode.ahead(p, s if bound is None else bound, s, layout.tensor_starts,
                                                    b.kernel_seed(shared=False, salt="terngrad"), clip=bound is not None)
-        g = p
-        if packed is None and bound is not None:  # the kernel's reference path clips first
-            spread = layout.per_element(bound)
-            g = torch.clamp(p, max=spread).clamp_(min=spread.neg_())  # bound >= 0: clamp(p, -bound, bound)
-            del spread
         if packed is None:  # the kernel's reference path, one operation at a time
+            g = p
+            if bound is not None:
+                spread = layout.per_element(bound)
+                g = torch.clamp(p, max=spread).clamp_(min=spread.neg_())  # bound >= 0: clamp(p, -bound, bound)
+                del spread
             positive = g > 0
             # |g| / s in g's memory where g is this exchange's own (the clip's), and the spread s freed
             # before the draws: bucket-sized temporaries one at a time, not four at once.
@@ -710,13 +701,14 @@ class TernGrad(Compressor):
             # t + 1 = 1 - up + 2 (up and g > 0), in {0, 1, 2}
             codes = positive.logical_and_(up).to(torch.uint8).mul_(2).add_(1).sub_(up.to(torch.uint8))
             packed = _pack_codes(codes, 2)
-            del positive, up, codes  # bucket-sized: not to be held across the allgather and the decoding
-        del g
+            del g, positive, up, codes  # bucket-sized: not to be held across the allgather and the decoding
         gathered = yield AllGather((packed,))
         table = _ternary_bytes(p.device)
-        total = self._trits_summed([got for (got,) in gathered], table, n)
-        if not (_segments_scaled.wanted(n, p) and _segments_scaled.ahead(
-                total, s, layout.tensor_starts, world=b.world_size) is not None):
+        fused = None  # trits in {-1, 0, 1}: exact sums
+        if _codes_summed.wanted(n, p):
+            fused = lambda out, got, add: _codes_summed.ahead(out, table, got[0], add=add)  # noqa: E731
+        total = summed_in_rank_order(gathered, n, p.device, fused, lambda got: lookup_codes(got[0], table, n))
+        if _segments_scaled.ahead(total, s, layout.tensor_starts, world=b.world_size) is None:
             total.mul_(layout.per_element(s)).div_(b.world_size)
         # N trits summed, times s: |sum| <= N max_i s_i, and the mean is at most that
         residual = None
@@ -724,22 +716,6 @@ class TernGrad(Compressor):
             residual = lambda q: _bucket_residual.ahead(q, table, packed, s, layout.tensor_starts)  # noqa: E731
         return Exchanged(total, lambda: lookup_codes(packed, table, n).mul_(layout.per_element(s)),
                          bound=s.abs().amax() * b.world_size, subtract_sent=residual)
-
-    @staticmethod
-    def _trits_summed(gathered, table, n) -> torch.Tensor:
-        """The ranks' trits in {-1, 0, 1} summed in rank order (exact), flat float32: one kernel per rank
-        where :func:`_codes_summed` is compiled ahead, else a lookup and an add each."""
-        total = None
-        fused = _codes_summed.wanted(n, table.device)
-        for rank, packed in enumerate(gathered):
-            if fused:
-                total = torch.empty(n, device=table.device) if total is None else total
-                if _codes_summed.ahead(total, table, packed, add=rank > 0) is not None:
-                    continue
-                fused = False
-            t = lookup_codes(packed, table, n)
-            total = t if rank == 0 else total.add_(t)
-        return total
 
     def bucket_payload_bytes(self, layout):
         return 4 * len(layout) + packed_nbytes(layout.numel, 2)

@@ -29,7 +29,8 @@ import torch
 
 from .. import devices, kernels
 from ..bits import pack_bits, packed_nbytes, select, unpack_bits
-from .bucket import SizeClass, bits_of, pack_signs, segment_of, signed_, unpack_signs
+from .bucket import (SizeClass, bits_of, int32_columns, pack_signs, segment_of, signed_, summed_in_rank_order,
+                     unpack_signs)
 from .base import (AllGather, Exchanged, GatheredCompressor, TensorContext, chunked_sum, column_counts, compare,
                    packed_codes, times_scale, workspace)
 from .registry import register
@@ -452,18 +453,10 @@ class OneBit(GatheredCompressor):
         means = torch.cat(sums[0] + sums[1]).div_(torch.cat(counts[0] + counts[1]).clamp_(min=1)) if groups \
             else p.new_empty(0)  # a bucket of empty tensors
         gathered = yield AllGather((means, _bucket_signs(p)))
-        at = None  # the reference path's index, made where it is first needed
-        fused = plan.table is not None and _onebit_decoded.wanted(layout.numel, p)
+        at = None  # the eager path's index, made where it is first needed
 
-        def decoded(fields, total=None):
-            """One rank's decoded payload, or (``total``) it added to ``total``."""
-            nonlocal at, fused
-            if fused:
-                out = torch.empty(layout.numel, device=p.device) if total is None else total
-                if _onebit_decoded.ahead(out, fields[0], fields[1], layout.tensor_starts, *plan.table,
-                                         add=total is not None) is not None:
-                    return out
-                fused = False  # not ready for this form yet: the same bits by the reference path
+        def decoded(fields):
+            nonlocal at
             if at is None:
                 at = plan.column_index().mul_(2).add_(1)  # 2 j + 1 for an element of column j
             # One gather from the (a_j, b_j) pairs, at 2 j + 1 - bit: a bucket's floats once, not three
@@ -472,13 +465,16 @@ class OneBit(GatheredCompressor):
             bits = bits_of(fields[1], layout.numel)
             values = pairs.index_select(0, at.sub_(bits))
             at.add_(bits)
-            return values if total is None else total.add_(values)
+            return values
+        fused = None
+        if plan.table is not None and _onebit_decoded.wanted(layout.numel, p):
+            fused = lambda out, fields, add: _onebit_decoded.ahead(  # noqa: E731
+                out, fields[0], fields[1], layout.tensor_starts, *plan.table, add=add)
 
-        total = decoded(gathered[0])
-        for fields in gathered[1:]:  # rank order, as exchange() adds the decoded tensors
-            total = decoded(fields, total)
+        def summed(ranks):  # rank order, as exchange() adds the decoded tensors
+            return summed_in_rank_order(ranks, layout.numel, p.device, fused, decoded)
         own = gathered[b.rank]
-        return Exchanged(total.div_(world), lambda: decoded(own))
+        return Exchanged(summed(gathered).div_(world), lambda: summed([own]))
 
     def bucket_payload_bytes(self, layout):
         return 8 * _columns(layout)[1] + packed_nbytes(layout.numel, 1)
@@ -551,9 +547,8 @@ class _ColumnIndex:
         # (None where int32 does not hold them); an empty tensor's 1 column keeps the remainder defined.
         self.table = None
         if self.dtype == torch.int32 and layout.numel < 2**31:
-            rows = [(offset, *first_column.get(i, (0, 1))[::-1]) for i, offset in enumerate(layout.offsets)]
-            table = torch.tensor(rows, dtype=torch.int32).reshape(-1, 3).T
-            self.table = tuple(column.contiguous().to(device) for column in table)  # each its own: no row views
+            self.table = int32_columns([(offset, *first_column.get(i, (0, 1))[::-1])
+                                        for i, offset in enumerate(layout.offsets)], 3, device)
 
     def column_index(self) -> torch.Tensor:
         steps = torch.zeros(self.numel, dtype=self.dtype, device=self.jumps.device)
