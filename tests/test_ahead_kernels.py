@@ -30,7 +30,7 @@ from .workers import run_threads
 
 quantize = sys.modules["gradzip.compressors.quantize"]
 
-#: (method, parameters, the kernels its bucket route takes ahead: encoding, then error feedback's residual)
+#: (method, parameters, the kernels its bucket route takes ahead: encoding, decoding, error feedback's residual)
 CASES = [
     ("qsgd", {"feedback": "residual"}, ("_qsgd_bucket_encode", "_bucket_residual", "_bucket_decoded")),
     ("terngrad", {"feedback": "residual"}, ("_terngrad_bucket_encode", "_bucket_residual", "_codes_summed",
