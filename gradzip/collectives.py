@@ -177,8 +177,17 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _from_bytes(chunk: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    # clone(): a slice at an unaligned offset cannot be viewed as a wider dtype.
+    """Another rank's field of ``like``'s dtype from its bytes in the gathered buffer: a view where they
+    start at a 16-byte boundary (every rank's first field), else a copy.  A wider dtype cannot be viewed
+    at an offset that is not a multiple of its size, and a kernel compiled ahead for the GPU copies an
+    argument that starts between 16-byte boundaries at every call (AOTInductor's alignment check)."""
+    if chunk.storage_offset() % _ALIGNED == 0 and chunk.data_ptr() % _ALIGNED == 0:
+        return chunk.view(like.dtype)
     return chunk.clone().view(like.dtype)
+
+
+#: Bytes at whose multiples a field of a gathered buffer is viewed rather than copied (see _from_bytes).
+_ALIGNED = 16
 
 
 class _Phase:

@@ -149,8 +149,9 @@ def test_kernels_compiled_ahead_agree_with_reference_bit_for_bit(method, params,
 def test_kernel_arguments_start_aligned(monkeypatch):
     """Every tensor a kernel compiled ahead is given starts 16-byte aligned, as a GPU package assumes of
     what it was compiled with (else it copies the argument at every call), the sketch's seed rows
-    apart (made at every exchange, one view per hash row). Counted without compiling: the calls are
-    spied on and no package is asked for."""
+    apart (made at every exchange, one view per hash row); at world size 2 too, where the other rank's
+    fields are views of the gathered bytes. Counted without compiling: the calls are spied on and no
+    package is asked for."""
     unaligned = []
     monkeypatch.setattr(ahead, "submit", lambda job: None)  # nothing compiles: every call its reference path
     for kernel in kernels.KERNELS:
@@ -164,6 +165,7 @@ def test_kernel_arguments_start_aligned(monkeypatch):
         monkeypatch.setattr(kernel, "ahead", spied)
     for method, params, _ in CASES:
         exchanges(method, params, 2)
+        exchanges(method, params, 2, world=2)  # the other rank's fields: views of the gathered bytes
     assert unaligned and all(name.startswith("_sketch") for name, _ in unaligned), sorted(set(unaligned))
 
 
