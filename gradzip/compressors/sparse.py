@@ -1351,8 +1351,9 @@ class _AdaptivePlan:
     ``class_offsets``, the tensors grouped by size class (for each class's peaks by one segmented max);
     per class ``both_sides``, its members' places among (k+ of every tensor, then k-), and
     ``both_starts``, their starts in the bucket then those plus n (P's marks, then M's, in one flat
-    mask); ``ends``, where each tensor ends (int64: a position's tensor is how many end at or before
-    it); ``zero``, a float32 0."""
+    mask); ``all_sides``, every class's ``both_sides`` end to end, and ``class_rows``, each class's
+    (start, stop) in it; ``ends``, where each tensor ends (int64: a position's tensor is how many end at
+    or before it); ``zero``, a float32 0."""
 
     def __init__(self, layout):
         device, members = layout.device, [size.members for size in layout.classes]
@@ -1363,6 +1364,9 @@ class _AdaptivePlan:
         self.both_sides = [torch.tensor([*m, *(i + len(layout) for i in m)], dtype=torch.int64, device=device)
                            for m in members]
         self.both_starts = [torch.cat([size.starts, size.starts + layout.numel]).view(-1, 1) for size in layout.classes]
+        self.all_sides = torch.cat(self.both_sides) if members else torch.empty(0, dtype=torch.int64, device=device)
+        bounds = list(itertools.accumulate((2 * len(m) for m in members), initial=0))
+        self.class_rows = list(zip(bounds, bounds[1:]))
         self.ends = torch.tensor([o + n for o, n in zip(layout.offsets, layout.numels)], dtype=torch.int64, device=device)
         self.zero = torch.zeros((), device=device)
 
@@ -1455,8 +1459,9 @@ class AdaptiveThreshold(Compressor):
         own totals and each size class's largest k+ and k-, which size one sorted topk per class and
         sign (its first k of each row are kept; the means are sums over them, so equal to the
         per-tensor route's up to the order of those sums).  Wire: 16 bytes (the totals) + 8 per tensor
-        (mu+, mu-) + (K+ + K-) positions in the bucket, this rank's own first, padded with position n
-        (dropped by the receivers), which decode to the mean of the tensor they lie in."""
+        (mu+, mu-) + (K+ + K-) positions in the bucket, P's then M's, each side this rank's own first,
+        padded with position n (dropped by the receivers); a position decodes to its side's mean of the
+        tensor it lies in."""
         layout, n = b.layout, b.layout.numel
         plan = _adaptive_plan(layout)
         ks = torch.ceil(_signed_counts(p, layout).mul_(self.ratio),  # (2, tensors): k+ and k-, exact in float64
@@ -1470,19 +1475,22 @@ class AdaptiveThreshold(Compressor):
         means, marks = self._bucket_sides(p, layout, ks, read[4:], plan)
         itype = index_dtype(n + 1)
         sides = [torch.nonzero_static(mark, size=size, fill_value=n).view(-1) for mark, size in zip(marks, read[:2])]
-        gathered = yield AllGather((means, *(side.to(itype) for side in sides)))
+        gathered = yield AllGather((means, torch.cat(sides).to(itype)))  # P's positions, then M's
         total = torch.zeros(n + 1, dtype=torch.float32, device=p.device)
-        values = []  # this rank's own, as decoded from what it sent
-        for rank, (mu, *positions) in enumerate(gathered):  # rank order, + then -: as exchange() adds them
-            for side, at in enumerate(positions):
-                at = at.long()
-                tensor = torch.searchsorted(plan.ends, at, right=True).clamp_(max=len(layout) - 1)  # padding: n
-                decoded = mu.view(2, -1)[side].index_select(0, tensor)
-                total.index_add_(0, at, decoded)
-                if rank == b.rank:
-                    values.append(decoded[:read[2 + side]])
-        own_at = [side[:count] for side, count in zip(sides, read[2:4])]
-        return Exchanged(total[:n].div_(b.world_size), sparse=(torch.cat(own_at), torch.cat(values)))
+        plus, tensors = read[0], len(layout)
+        values = None  # this rank's own, as decoded from what it sent
+        for rank, (mu, at) in enumerate(gathered):  # rank order: identical float sums on every rank
+            at = at if at.dtype in (torch.int32, torch.int64) else at.long()  # what index_add_ takes
+            # Each position's tensor (padding, n: the last), then its side's mean: mu- of tensor i is
+            # mu[T + i].  P and M are disjoint, so one sum of both is exchange()'s two in turn.
+            tensor = torch.searchsorted(plan.ends, at, right=True).clamp_(max=tensors - 1)
+            tensor[plus:].add_(tensors)
+            decoded = mu.index_select(0, tensor)
+            total.index_add_(0, at, decoded)
+            if rank == b.rank:
+                values = torch.cat([decoded[:read[2]], decoded[plus:plus + read[3]]])
+        own_at = torch.cat([side[:count] for side, count in zip(sides, read[2:4])])
+        return Exchanged(total[:n].div_(b.world_size), sparse=(own_at, values))
 
     def _bucket_sides(self, p, layout, ks, peaks, plan):
         """(means: mu+ of every tensor then mu- of every tensor, fp32; the bool masks of P and M over
@@ -1491,20 +1499,27 @@ class AdaptiveThreshold(Compressor):
         k of each row are kept), both sides' sums, means and marks at once (rows + then rows -)."""
         means = torch.zeros(2 * len(layout), dtype=torch.float32, device=p.device)
         marks = torch.zeros(2 * layout.numel, dtype=torch.bool, device=p.device)  # P's, then M's
+        k_rows = ks.view(-1).index_select(0, plan.all_sides)  # every class's rows' k, one gather for all
         rows, sums, positions, kept = [], [], [], []  # per class with a peak: each written once for all below
-        for c, (size, both, starts) in enumerate(zip(layout.classes, plan.both_sides, plan.both_starts)):
+        for c, (size, both, starts, (lo, hi)) in enumerate(zip(layout.classes, plan.both_sides, plan.both_starts,
+                                                                plan.class_rows)):
             peak = max(peaks[2 * c], peaks[2 * c + 1])
             if not peak:
                 continue
-            r = layout.rows(p, size)
-            (largest, at_largest), (smallest, at_smallest) = r.topk(peak, dim=1), r.topk(peak, dim=1, largest=False)
-            kept.append(_counting(peak, p.device) < ks.view(-1).index_select(0, both).view(-1, 1))
-            sums.append(torch.where(kept[-1], torch.cat([largest, smallest]), plan.zero).sum(dim=1))
-            positions.append(torch.cat([at_largest, at_smallest]).add_(starts).view(-1))
-            rows.append(both)
+            r, m = layout.rows(p, size), len(size.members)
+            # the largest then the smallest of each row, written where the two sides' rows lie (no cat)
+            values = torch.empty(2 * m, peak, dtype=r.dtype, device=p.device)
+            at = torch.empty(2 * m, peak, dtype=torch.int64, device=p.device)
+            torch.topk(r, peak, dim=1, out=(values[:m], at[:m]))
+            torch.topk(r, peak, dim=1, largest=False, out=(values[m:], at[m:]))
+            kept.append(_counting(peak, p.device) < k_rows[lo:hi].view(-1, 1))
+            sums.append(torch.where(kept[-1], values, plan.zero).sum(dim=1))
+            positions.append(at.add_(starts).view(-1))
+            rows.append((both, k_rows[lo:hi]))
         if rows:
-            rows = _joined(rows)  # k is float64: each quotient rounded once
-            means.index_copy_(0, rows, _joined(sums).div_(ks.view(-1).index_select(0, rows).clamp_(min=1)))
+            # every class has a peak (the common case): its rows and their k as gathered, no join
+            both, k = (plan.all_sides, k_rows) if len(rows) == len(layout.classes) else map(_joined, zip(*rows))
+            means.index_copy_(0, both, _joined(sums).div_(k.clamp(min=1)))  # k is float64: each quotient rounded once
             marks.index_put_((_joined(positions),), _joined([k.view(-1) for k in kept]))
         return means, marks.view(2, -1)
 
