@@ -12,7 +12,7 @@ import functools
 import itertools
 import math
 import weakref
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -22,7 +22,7 @@ from ..bits import index_dtype
 from .base import AllGather, AllReduce, Compressor, Exchanged, GatheredCompressor, TensorContext, check_ratio
 from .base import value_dtype as _parse_value_dtype
 from .base import compare, count_true, wire_cast, workspace, zeroed
-from .bucket import PIECE
+from .bucket import PIECE, segment_of
 from .registry import register
 
 
@@ -918,16 +918,23 @@ class DGC(MaskedBucket, Sparsifier):
         thresholds = _dgc_thresholds.ahead(sample, short, *plan.rows_short, *plan.rows_full)
         if thresholds is None:
             thresholds = _thresholds(sample, short, plan.ranks_short, plan.ranks_full)
-        index = layout.segment_index()  # one int32 index spreads every per-tensor quantity below
-        counts = _counts_at_least(absp, thresholds, plan, index)  # (retries + 1, tensors), a transposed view
+        index = None  # each element's tensor (int32, bucket-sized), made where an eager step first needs it
+
+        def segments():
+            nonlocal index
+            if index is None:
+                index = layout.segment_index()  # one index spreads every per-tensor quantity below
+            return index
+        counts = _counts_at_least(absp, thresholds, plan, segments)  # (retries + 1, tensors), a transposed view
         top = None
         if _dgc_selected.wanted(layout.numel, absp):
             top = _class_top_k(absp, layout, plan)
-            selected = _dgc_selected.ahead(absp, counts.T, thresholds, plan.enough, plan.k, index, top)
+            # the kernel finds each element's tensor itself (segment_of): no index is read or written
+            selected = _dgc_selected.ahead(absp, counts.T, thresholds, plan.enough, plan.k, layout.tensor_starts, top)
             if selected is not None:
                 return selected
-        candidates, too_many = _passing(absp, counts.T, thresholds, plan.enough, plan.k, index)
-        del index  # before the top k's mask (where not made already): a bucket-sized int32 less at the peak
+        candidates, too_many = _passing(absp, counts.T, thresholds, plan.enough, plan.k, segments())
+        index = None  # before the top k's mask (where not made already): a bucket-sized int32 less at the peak
         return torch.where(too_many, _class_top_k(absp, layout, plan) if top is None else top, candidates)
 
     def bucket_payload_bytes(self, layout, kept: Optional[int] = None) -> int:
@@ -1133,19 +1140,21 @@ def _passing(absp, counts_by_tensor, thresholds, enough, k, index) -> tuple:
 
 
 @kernels.fused(min_numel=1)
-def _dgc_selected(absp, counts_by_tensor, thresholds, enough, k, index, top):
+def _dgc_selected(absp, counts_by_tensor, thresholds, enough, k, tensor_starts, top):
     """DGC's selection (:func:`_passing`, the top k where too many pass) in one pass over the bucket:
-    neither the candidates nor the tensors with too many written out."""
+    neither the candidates nor the tensors with too many written out, and each element's tensor found
+    from ``tensor_starts`` (``segment_of``) rather than read from a bucket-sized index."""
+    index = segment_of(absp.shape[0], tensor_starts, absp.device)
     candidates, too_many = _passing(absp, counts_by_tensor, thresholds, enough, k, index)
     return torch.where(too_many, top, candidates)
 
 
 def _counts_at_least(absp: torch.Tensor, thresholds: torch.Tensor, plan: _DGCPlan,
-                     index: torch.Tensor) -> torch.Tensor:
+                     segments: Callable[[], torch.Tensor]) -> torch.Tensor:
     """Per threshold (rows) and tensor (columns), how many of the tensor's elements of ``absp`` are >=
     it: every threshold's count per piece of the bucket in one kernel where it is compiled ahead
     (:func:`_dgc_piece_counts`), else row by row (R + 1 of them: a bucket's worth of memory at a time,
-    not R + 1), each row spread over the elements by ``index`` (:meth:`BucketLayout.segment_index`),
+    not R + 1), each row spread over the elements by ``segments()`` (:meth:`BucketLayout.segment_index`),
     compared in place (1.0 where the threshold is at most |p|: no bool and no float copy of it) and
     counted per piece; then each tensor's pieces summed (exact either way: at most 2^14 a piece, float64
     over a tensor's pieces, all rows' at once)."""
@@ -1155,6 +1164,7 @@ def _counts_at_least(absp: torch.Tensor, thresholds: torch.Tensor, plan: _DGCPla
                                         rows=thresholds.shape[0])
         if first is not None:
             return layout.reduce_pieces(first, total=torch.float64).T
+    index = segments()
     return layout.reduce_each((row.index_select(0, index).le_(absp) for row in thresholds), total=torch.float64)
 
 
