@@ -360,3 +360,38 @@ def test_bucket_route_matches_per_tensor_route_over_warm_started_steps(shapes, m
         assert states[0]._route.buckets, "the bucket route ran"
         for (key, got), want in zip(named, expected):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5, msg=f"step {step}, {key}")
+
+
+def _bucket_step(state, xs):
+    """One bucket-route exchange of the matrices ``xs`` (and a vector, sent densely); the aggregates and
+    how many Gaussian draws (their ``log1p``) it made."""
+    from gradzip.testing import OpCounter
+    named = [(f"t{i}", x.clone()) for i, x in enumerate(xs)] + [("bias", torch.ones(7))]
+    with OpCounter() as counter:
+        out = state.exchange(named)
+    assert state._route.buckets, "the bucket route ran"
+    return out[:-1], counter.ops.get("aten.log1p", 0)
+
+
+def test_bucket_route_recovers_a_zero_basis_from_the_buckets_kept_draw():
+    """With warm start the bucket's Gaussian draw is made at its first exchange and kept: a zero
+    gradient leaves zero bases, and the next step takes the kept draw in their place and recovers a
+    rank-2 matrix in one step, drawing nothing more."""
+    state = GradzipState("powersgd", bucketed=True, rank=2, dense_steps=0)
+    zeros, draws = _bucket_step(state, [torch.zeros(20, 30), torch.zeros(20, 30)])
+    assert draws == 1 and all(torch.equal(z, torch.zeros(20, 30)) for z in zeros)
+    assert all(torch.equal(state.tensors[f"t{i}"]["Q"], torch.zeros(30, 2)) for i in range(2))
+    xs = [low_rank(20, 30, 2, seed=9), low_rank(20, 30, 2, seed=10)]
+    for step in range(2):
+        out, draws = _bucket_step(state, xs)
+        assert draws == 0, step
+        assert all(rel_err(o, x) < 1e-5 for o, x in zip(out, xs)), step
+
+
+def test_bucket_route_without_warm_start_draws_a_new_basis_every_step():
+    x = torch.randn(20, 30, generator=gen(4))
+    state = GradzipState("powersgd", bucketed=True, rank=2, dense_steps=0, warm_start=False)
+    (first,), draws_first = _bucket_step(state, [x])
+    (second,), draws_second = _bucket_step(state, [x])
+    assert draws_first == draws_second == 1
+    assert not torch.allclose(first, second)  # rank 2 of a full-rank matrix: the basis shows

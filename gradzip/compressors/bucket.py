@@ -243,29 +243,31 @@ class BucketContext(StagedContext):
     #: overwrites with the aggregate anyway: DDP's bucket): the bucket's largest temporary, saved.
     input_spare: bool = False
 
-    def draw_seed(self, *, shared: bool = True, salt: str = "") -> int:
+    def draw_seed(self, *, shared: bool = True, salt: str = "", per_step: bool = True) -> int:
         """A 31-bit seed for :func:`kernels.counter_uniforms` from (seed, first key, step[, rank]):
         counter-based draws need no generator object per tensor and step, and a Python number reaches
-        the device as a kernel argument, not as a copy."""
+        the device as a kernel argument, not as a copy.  ``per_step=False``: the same seed at every
+        step (draws a method may keep)."""
         parts = (self.seed, _stable_hash(self.layout.keys[0] + "/" + salt if self.layout.keys else salt),
-                 self.step, 0 if shared else self.rank + 1)
+                 self.step if per_step else -1, 0 if shared else self.rank + 1)
         value = 0
         for part in parts:
             value = (value * 1_000_003 + part) % (2**31 - 1)
         return value
 
-    def uniforms(self, n: int, *, shared: bool = True, salt: str = "") -> torch.Tensor:
+    def uniforms(self, n: int, *, shared: bool = True, salt: str = "", per_step: bool = True) -> torch.Tensor:
         """n float32 draws in [0, 1) on the bucket's device (see :meth:`draw_seed`)."""
-        drawn = self._drawn(kernels._counter_uniforms, n, shared, salt)
+        drawn = self._drawn(kernels._counter_uniforms, n, shared, salt, per_step)
         if drawn is not None:
             return drawn
         like = torch.empty((), device=self.layout.device).expand(n)  # only its length is read: no n-element buffer
-        return kernels.counter_uniforms(like, self.draw_seed(shared=shared, salt=salt))
+        return kernels.counter_uniforms(like, self.draw_seed(shared=shared, salt=salt, per_step=per_step))
 
-    def kernel_seed(self, *, shared: bool = True, salt: str = "") -> torch.Tensor:
+    def kernel_seed(self, *, shared: bool = True, salt: str = "", per_step: bool = True) -> torch.Tensor:
         """:meth:`draw_seed` as a 0-d int32 tensor on the bucket's device, for a kernel's draws (a fill,
         not a copy from the host; a number would be compiled into the kernel)."""
-        return torch.full((), self.draw_seed(shared=shared, salt=salt), dtype=torch.int32, device=self.layout.device)
+        return torch.full((), self.draw_seed(shared=shared, salt=salt, per_step=per_step), dtype=torch.int32,
+                          device=self.layout.device)
 
     def hashes(self, n: int, *, shared: bool = True, salt: str = "") -> torch.Tensor:
         """n distinct int32 keys, uniformly ordered, on the bucket's device: :meth:`uniforms` before its
@@ -276,13 +278,13 @@ class BucketContext(StagedContext):
         like = torch.empty((), device=self.layout.device).expand(n)
         return kernels.counter_hashes(like, self.draw_seed(shared=shared, salt=salt))
 
-    def _drawn(self, kernel, n: int, shared: bool, salt: str) -> Optional[torch.Tensor]:
+    def _drawn(self, kernel, n: int, shared: bool, salt: str, per_step: bool = True) -> Optional[torch.Tensor]:
         """``kernel``'s n draws where it runs compiled ahead (the same bits as its eager code, in one
         launch instead of a dozen); None where it does not (yet)."""
         if not kernel.wanted(n, self.layout.device):
             return None  # no seed tensor made for nothing
         like = torch.empty(n, dtype=torch.int32, device=self.layout.device)  # unread: a bare allocation
-        return kernel.ahead(like, self.kernel_seed(shared=shared, salt=salt))
+        return kernel.ahead(like, self.kernel_seed(shared=shared, salt=salt, per_step=per_step))
 
 
 def int32_columns(rows: Sequence[tuple], width: int, device: torch.device) -> tuple:

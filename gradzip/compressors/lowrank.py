@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import weakref
 from typing import Optional
 
 import torch
@@ -163,8 +164,8 @@ class PowerSGD(Compressor):
     def _bucket_plan(self, layout, step: int) -> tuple:
         """(classes, dense): the compressed matrices grouped by matrix shape, as (n, m, r, members), and
         the tensors averaged densely; cached per layout and phase (before or from ``dense_steps``)."""
-        cache = self.__dict__.setdefault("_plans", {})
-        key = (id(layout), step >= self.dense_steps)
+        cache = _PLANS.setdefault(layout, {})
+        key = (self.rank, self.min_compression, step >= self.dense_steps)
         if key not in cache:
             classes, dense = {}, []
             for i, shape in enumerate(layout.shapes):
@@ -173,7 +174,6 @@ class PowerSGD(Compressor):
                     classes.setdefault(self.matrix_shape(ctx), []).append(i)
                 else:
                     dense.append(i)
-            cache.clear()  # one layout at a time is enough: DDP's buckets are exchanged in turn
             cache[key] = ([(n, m, r, tuple(members)) for (n, m, r), members in classes.items()], tuple(dense))
         return cache[key]
 
@@ -226,29 +226,55 @@ class PowerSGD(Compressor):
 
     def _bucket_bases(self, b, classes) -> list:
         """Each class's Q: the kept bases where every column of a matrix's basis is non-zero, else a
-        draw shared by every rank (counter-based normals), orthogonalised as in :meth:`initial_q`."""
+        draw shared by every rank (counter-based normals), orthogonalised as in :meth:`initial_q`.  With
+        ``warm_start`` that draw is the bucket's own, made once (:meth:`_bucket_draw`); without it, a
+        fresh one every step."""
         if not classes:
             return []
-        kept = b.get("Q") if self.warm_start else None
-        counts = [len(members) * m * r for n, m, r, members in classes]
-        u = b.uniforms(2 * sum(counts), shared=True, salt="powersgd-Q").view(2, -1)
-        normal = torch.sqrt(-2 * torch.log1p(-u[0])) * torch.cos(2 * math.pi * u[1])  # Box-Muller
-        fresh = [d.view(len(members), m, r) for d, (n, m, r, members) in zip(torch.split(normal, counts), classes)]
+        if not self.warm_start:
+            return _orthogonalized_together(self._drawn_bases(b, classes, per_step=True)[0], self.epsilon)
+        kept = b.get("Q")
+        fresh, padded = self._bucket_draw(b, classes)
         if kept is None:
             return _orthogonalized_together(fresh, self.epsilon)
         sizes = {i: m * r for n, m, r, members in classes for i in members}
         starts = dict(zip(sorted(sizes), itertools.accumulate([0] + [sizes[i] for i in sorted(sizes)])))  # key order
-        drawn_at = list(itertools.accumulate([0] + counts))  # each class's draws in normal
         bases = {}
-        for group in _by_rank(fresh):  # every class of one r at once, gathered from the kept state
+        for group, drawn in zip(_by_rank(fresh), padded):  # every class of one r at once, gathered from the kept state
             rows, r = [classes[c][1] for c in group], classes[group[0]][2]
             q, views = _padded_at([kept], [[starts[i] for i in classes[c][3]] for c in group], rows, r)
-            drawn, _ = _padded_at([normal], [range(drawn_at[c], drawn_at[c + 1], rows[j] * r) for j, c in enumerate(group)],
-                                  rows, r)
             usable = (torch.linalg.vector_norm(q, dim=1) > 0).all(1).view(-1, 1, 1)
             _orthogonalize_(torch.where(usable, q, drawn, out=q), self.epsilon)
             bases.update(zip(group, views))
         return [bases[c] for c in range(len(classes))]
+
+    def _bucket_draw(self, b, classes) -> tuple:
+        """(per class, its matrices' draws; per group of one r (:func:`_by_rank`), those draws padded as
+        the kept bases are): the bucket's one shared draw, made at its first exchange from a seed that
+        does not change with the step (the same after a resume) and kept with its layout, where a draw
+        at every step took some ten launches a bucket for a basis that is rarely used."""
+        cache = _PLANS.setdefault(b.layout, {})
+        key = ("draw", b.seed, self.rank, self.min_compression)
+        if key not in cache:
+            fresh, normal, counts = self._drawn_bases(b, classes, per_step=False)
+            drawn_at = list(itertools.accumulate([0] + counts))  # each class's draws in normal
+            padded = []
+            for group in _by_rank(fresh):
+                rows, r = [classes[c][1] for c in group], classes[group[0]][2]
+                padded.append(_padded_at([normal], [range(drawn_at[c], drawn_at[c + 1], rows[j] * r)
+                                                    for j, c in enumerate(group)], rows, r)[0])
+            cache[key] = (fresh, padded)
+        return cache[key]
+
+    @staticmethod
+    def _drawn_bases(b, classes, per_step: bool) -> tuple:
+        """(per class its matrices' standard normal draws (members x m x r), all of them flat, per class
+        their number), shared by every rank: Box-Muller of counter-based uniforms."""
+        counts = [len(members) * m * r for n, m, r, members in classes]
+        u = b.uniforms(2 * sum(counts), shared=True, salt="powersgd-Q", per_step=per_step).view(2, -1)
+        normal = torch.sqrt(-2 * torch.log1p(-u[0])) * torch.cos(2 * math.pi * u[1])  # Box-Muller
+        fresh = [d.view(len(members), m, r) for d, (n, m, r, members) in zip(torch.split(normal, counts), classes)]
+        return fresh, normal, counts
 
     @staticmethod
     def _in_key_order(layout, classes, per_class) -> torch.Tensor:
@@ -269,6 +295,10 @@ class PowerSGD(Compressor):
             return ctx.shape.numel() * ctx.dtype.itemsize
         n, m, r = self.matrix_shape(ctx)
         return (n + m) * r * 4
+
+
+#: Per bucket layout: PowerSGD's plans by (rank, min_compression, phase) and its kept draws.
+_PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _orthogonalized_together(batches: list, epsilon: float) -> list:
