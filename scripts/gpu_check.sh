@@ -37,7 +37,9 @@ step_rc=0; start=$SECONDS
 # start-up, NCCL, model, steps, profiler), 35-45 s for a method whose kernels compile ahead into a cold
 # cache (2026-11-27), so the quick check takes the baselines and a few methods, and STEP_METHODS=all
 # (26 contenders, 8-15 minutes) needs a run of its own.
-STEP_METHODS=${STEP_METHODS:-ddp,torch-fp16,torch-bf16,torch-powersgd,none,fp16,bf16,topk,qsgd,efsignsgd,powersgd,dgc}
+# torch-allreduce beside none: PyTorch's plain Python hook, so that a run tells the Python hook's own
+# cost from gradzip's (none took 1.38x and 1.48x DDP in two runs of docs/results/gpu.md, torch-allreduce 1.03x in one).
+STEP_METHODS=${STEP_METHODS:-ddp,torch-allreduce,torch-fp16,torch-bf16,torch-powersgd,none,fp16,bf16,topk,qsgd,efsignsgd,powersgd,dgc}
 [ "$STEP_METHODS" = all ] && STEP_METHODS=
 
 # Kernels compiled ahead, once per machine: each contender's first steps in processes side by side (up
