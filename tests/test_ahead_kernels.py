@@ -47,6 +47,7 @@ CASES = [
     ("dgc", {"min_numel": 0, "ratio": 0.1, "warmup_epochs": 0}, ("_counter_uniforms", "_dgc_thresholds", "_dgc_selected",
                                                                       "_dgc_piece_counts")),
     ("randomk", {"ratio": 0.3}, ("_counter_hashes",)),
+    ("dropping", {"drop_ratio": 0.9, "sample_ratio": 0.1}, ("_counter_uniforms", "_dropping_mask")),
 ]
 QUANTISERS = ("qsgd", "terngrad", "natural")
 IDS = [f"{m}-{'-'.join(f'{k}={v}' for k, v in p.items())}" for m, p, _ in CASES]

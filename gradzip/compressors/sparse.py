@@ -750,10 +750,22 @@ class GradientDropping(MaskedBucket, Sparsifier):
         if not plan.sampled:  # every tensor empty
             return torch.zeros(layout.numel, dtype=torch.bool, device=p.device)
         sample, short = plan.sorted(p, b.uniforms(len(layout), shared=False, salt="dropping"), absolute=False)
-        thresholds = sample.take(torch.where(short, plan.keep_short, plan.keep_full))
+        thresholds = sample.take(torch.where(short, plan.keep_short, plan.keep_full)).clamp_min_(_TINY)
+        if _dropping_mask.wanted(layout.numel, p):
+            mask = _dropping_mask.ahead(p, thresholds, layout.tensor_starts)
+            if mask is not None:
+                return mask
         # The thresholds spread first: their int32 index is freed before |p| is made.
-        spread = layout.per_element(thresholds.clamp_min_(_TINY))
+        spread = layout.per_element(thresholds)
         return torch.abs(p) >= spread
+
+
+@kernels.fused
+def _dropping_mask(p, thresholds, tensor_starts):
+    """|p_i| >= its tensor's threshold in one pass over the bucket, each element's tensor found from
+    ``tensor_starts`` (``segment_of``), where the reference path first spreads the thresholds over the
+    bucket by a bucket-sized index (four operations, two bucket-sized temporaries)."""
+    return p.abs() >= thresholds.index_select(0, segment_of(p.shape[0], tensor_starts, p.device))
 
 
 @register
