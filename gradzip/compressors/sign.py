@@ -292,6 +292,27 @@ def _trit_vote_planes(out, inv_powers, scale, *packed):
     return out.copy_(torch.sign(count) * scale)
 
 
+@kernels.fused
+def _bucket_trit_vote(out, inv_powers, scale, tensor_starts, *packed):
+    """signSGD's scaled vote over a whole bucket in one loop: out_i = sign(sum_r t_ri) * s, s the scale
+    of element i's tensor (``scale``, per tensor; the tensor found from ``tensor_starts`` by
+    ``segment_of``), t_ri the r-th ``packed``'s ternary digit of element i, which is digit i // m of
+    byte i mod m (m bytes), read as in :func:`_trit_vote_planes`.  The sum of digits is exact and the
+    product rounded once: the reference path's vote, spread scales and product, bit for bit, without
+    its int8 counts, float votes and spread scales over the bucket."""
+    n, m = out.shape[0], packed[0].shape[0]
+    i = torch.arange(n, device=out.device)
+    plane = i // m
+    at = i - plane * m
+    inv = inv_powers.index_select(0, plane)
+    count = None
+    for r in range(len(packed)):
+        q = torch.floor((packed[r].index_select(0, at).to(torch.float32) + 0.5) * inv)
+        digits = q - 3 * torch.floor((q + 0.5) * (1 / 3)) - 1
+        count = digits if count is None else count + digits
+    return out.copy_(torch.sign(count) * scale.index_select(0, segment_of(n, tensor_starts, out.device)))
+
+
 # -- the bucket route's shared pieces ----------------------------------------------------------------------
 
 
@@ -665,6 +686,7 @@ class _SignVote(GatheredCompressor):
         codes = _bucket_trit_codes(y) if self.ternary else _bucket_signs(y)
         scales = layout.segment_mean(y.abs()) if self.scaled else None
         gathered = yield AllGather((codes,) if scales is None else (scales, codes))
+        own = gathered[b.rank]
         if scales is not None:  # spread over the elements before the vote exists: one bucket copy less at once
             ranks = [fields[0] for fields in gathered]
             # rank order, as exchange() sums the scales; the first sum (or the lone rank's mean) is new
@@ -672,7 +694,15 @@ class _SignVote(GatheredCompressor):
             s = torch.add(ranks[0], ranks[1]) if len(ranks) > 1 else ranks[0] / 1
             for scale in ranks[2:]:
                 s += scale
-            spread = layout.per_element(s.div_(b.world_size))
+            s.div_(b.world_size)
+            bound = s.abs().amax()  # votes are -1, 0 or +1: |s V| <= max_i |s_i|; NaN poisons the step
+            if self.ternary and _bucket_trit_vote.wanted(n, p):
+                vote = _bucket_trit_vote.ahead(torch.empty(n, dtype=torch.float32, device=p.device),
+                                               _inverse_powers_of_3(p.device), s, layout.tensor_starts,
+                                               *(fields[-1] for fields in gathered))
+                if vote is not None:
+                    return Exchanged(vote, lambda: self._bucket_sent(own, layout), bound=bound)
+            spread = layout.per_element(s)
         if self.ternary:
             vote = vote_of_trits([f[-1] for f in gathered], (n,), torch.empty(n, dtype=torch.float32, device=p.device))
         else:  # sum_r (+-1) is an exact integer: its sign is the majority
@@ -680,12 +710,10 @@ class _SignVote(GatheredCompressor):
             for fields in gathered[1:]:
                 vote += unpack_signs(fields[-1], n)
             vote.sign_()
-        if scales is not None:  # votes are -1, 0 or +1: |s V| <= max_i |s_i|
+        if scales is not None:
             vote.mul_(spread)
-            bound = s.abs().amax()  # NaN propagates: a non-finite input poisons the step
         else:
             bound = _one(p.device)
-        own = gathered[b.rank]
         return Exchanged(vote, lambda: self._bucket_sent(own, layout), bound=bound)
 
     def _bucket_sent(self, fields, layout) -> torch.Tensor:
