@@ -37,7 +37,7 @@ CASES = [
                                             "_segments_scaled")),
     ("terngrad", {"clip": None}, ("_terngrad_bucket_encode",)),
     ("natural", {"feedback": "residual"}, ("_natural_encode", "_natural_bucket_residual")),
-    ("efsignsgd", {}, ("_bucket_sign_bits", "_ef_bucket_residual")),
+    ("efsignsgd", {}, ("_bucket_sign_bits", "_ef_bucket_residual", "_ef_decoded")),
     ("signsgd", {}, ("_bucket_trits", "_bucket_trit_vote")),
     ("signum", {"zeros": "plus"}, ("_bucket_sign_bits",)),
     ("onebit", {}, ("_bucket_sign_bits", "_onebit_decoded")),
@@ -176,7 +176,8 @@ def test_kernel_arguments_start_aligned(monkeypatch):
 @pytest.mark.parametrize("method, names", [("qsgd", ("_bucket_decoded",)),
                                            ("terngrad", ("_codes_summed", "_segments_scaled")),
                                            ("onebit", ("_onebit_decoded",)),
-                                           ("signsgd", ("_bucket_trit_vote",))])
+                                           ("signsgd", ("_bucket_trit_vote",)),
+                                           ("efsignsgd", ("_ef_decoded",))])
 def test_decoding_kernels_sum_two_ranks_in_rank_order(method, names, monkeypatch):
     """Two ranks (threads), each rank's payload decoded by one kernel (the first written, the next added
     to it): the reference path's bits on every rank."""

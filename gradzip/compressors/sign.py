@@ -343,6 +343,18 @@ def _ef_bucket_residual(p, scales, tensor_starts):
     return p.sub_(scales.index_select(0, segment_of(p.shape[0], tensor_starts, p.device)) * signs)
 
 
+@kernels.fused
+def _ef_decoded(out, scales, packed, tensor_starts, *, add: bool):
+    """One rank's EF-signSGD payload decoded into ``out`` or (``add``) added to it: s_i (+1 where the
+    element's bit is 1, else -1), s_i the scale of its tensor (``segment_of`` ``tensor_starts``): the
+    reference path's spread scales, unpacked bits and product in one loop, no index over the bucket."""
+    n = out.shape[0]
+    at = torch.arange(n, dtype=torch.int32, device=out.device)
+    bit = (packed.index_select(0, at >> 3).to(torch.int32) >> (at & 7)) & 1
+    value = scales.index_select(0, segment_of(n, tensor_starts, out.device)) * (bit * 2 - 1).to(torch.float32)
+    return out.add_(value) if add else out.copy_(value)
+
+
 def _bucket_trit_codes(x: torch.Tensor) -> torch.Tensor:
     """The bucket's ternary codes: by a kernel compiled ahead where there is one, else :func:`encode_trits`."""
     codes = _bucket_trits.ahead(x)
@@ -888,17 +900,23 @@ class EFSignSGD(GatheredCompressor):
         layout = b.layout
         scales = layout.segment_mean(p.abs())
         gathered = yield AllGather((scales, _bucket_signs(p)))
-        total, index = None, layout.segment_index()  # one index spreads every rank's scales
-        for scale, packed in gathered:  # rank order, as exchange() sums the ranks' deltas
-            delta = _scaled_signs(scale, packed, index)
-            total = delta if total is None else total.add_(delta)
+        index = None  # each element's tensor, made where the eager path first needs it: one spreads every rank's scales
+
+        def decoded(fields):
+            nonlocal index
+            if index is None:
+                index = layout.segment_index()
+            return _scaled_signs(*fields, index)
+        fused = None
+        if _ef_decoded.wanted(layout.numel, p):
+            fused = lambda out, fields, add: _ef_decoded.ahead(out, *fields, layout.tensor_starts, add=add)  # noqa: E731
+        total = summed_in_rank_order(gathered, layout.numel, p.device, fused, decoded)  # as exchange() sums the deltas
         own = gathered[b.rank]
         bound = torch.stack([scale.abs().amax() if scale.numel() else scale.new_zeros(()) for scale, _ in gathered]).sum()
         residual = None
         if _ef_bucket_residual.wanted(layout.numel, layout.device):
             residual = lambda q: _ef_bucket_residual.ahead(q, own[0], layout.tensor_starts)  # noqa: E731
-        return Exchanged(total.div_(b.world_size), lambda: _scaled_signs(*own, index), bound=bound,
-                         subtract_sent=residual)
+        return Exchanged(total.div_(b.world_size), lambda: decoded(own), bound=bound, subtract_sent=residual)
 
     def bucket_payload_bytes(self, layout):
         return 4 * len(layout) + packed_nbytes(layout.numel, 1)
