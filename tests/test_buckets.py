@@ -359,7 +359,8 @@ def test_no_kernel_compiles_in_a_bucket_exchange(monkeypatch):
         GradzipState(name, bucketed=True).exchange(_bucket()[1])
     assert not calls and set(ahead) == {"_qsgd_bucket_encode", "_natural_encode", "_terngrad_bucket_encode",
                                         "_bucket_sign_bits", "_bucket_trits", "_counter_uniforms",
-                                        "_bucket_decoded", "_codes_summed", "_segments_scaled", "_onebit_decoded"}
+                                        "_bucket_decoded", "_codes_summed", "_segments_scaled", "_onebit_decoded",
+                                        "_bucket_trit_vote", "_ef_decoded"}
     GradzipState("efsignsgd", bucketed=False).exchange(_bucket()[1])  # its kernels may return None
     assert calls
 
