@@ -479,13 +479,9 @@ class QSGD(GatheredCompressor):
         """The ranks' decoded payloads summed in rank order (the same floats on every rank), flat
         float32: a kernel per rank where :func:`_bucket_decoded` is compiled ahead, else
         :meth:`_bucket_decoded`'s operations (:func:`summed_in_rank_order`)."""
-        index = None  # the layout's chunk index, made where the eager path first needs it
-
-        def decoded(fields):
-            nonlocal index
-            if index is None:
-                index = layout.chunk_index(self.bucket_size)  # one index spreads every rank's norms
-            return self._bucket_decoded(fields, layout, index)
+        # the layout's chunk index, made where the eager path first needs it: one spreads every rank's norms
+        index = functools.cache(lambda: layout.chunk_index(self.bucket_size))
+        decoded = lambda fields: self._bucket_decoded(fields, layout, index())  # noqa: E731
         fused = None
         if 8 % self._bits == 0 and _bucket_decoded.wanted(layout.numel, layout.device):
             table, starts = _signed_level_bytes(self._bits, layout.device), layout.chunk_starts(self.bucket_size)

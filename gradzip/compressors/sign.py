@@ -286,10 +286,16 @@ def _trit_vote_planes(out, inv_powers, scale, *packed):
     scale is rounded once, as in the reference path's ``mul_``."""
     count = None
     for r in range(len(packed)):
-        q = torch.floor((packed[r].to(torch.float32).unsqueeze(0) + 0.5) * inv_powers.unsqueeze(1))
-        digits = q - 3 * torch.floor((q + 0.5) * (1 / 3)) - 1
+        digits = _trit_digits(packed[r].to(torch.float32).unsqueeze(0), inv_powers.unsqueeze(1))
         count = digits if count is None else count + digits
     return out.copy_(torch.sign(count) * scale)
+
+
+def _trit_digits(byte: torch.Tensor, inv_power: torch.Tensor) -> torch.Tensor:
+    """For a kernel: digit j (base 3) of each byte (as float32) minus 1, ``inv_power`` its 3^-j, in
+    float32 arithmetic, exactly (see :func:`_trit_vote_planes`)."""
+    q = torch.floor((byte + 0.5) * inv_power)
+    return q - 3 * torch.floor((q + 0.5) * (1 / 3)) - 1
 
 
 @kernels.fused
@@ -307,8 +313,7 @@ def _bucket_trit_vote(out, inv_powers, scale, tensor_starts, *packed):
     inv = inv_powers.index_select(0, plane)
     count = None
     for r in range(len(packed)):
-        q = torch.floor((packed[r].index_select(0, at).to(torch.float32) + 0.5) * inv)
-        digits = q - 3 * torch.floor((q + 0.5) * (1 / 3)) - 1
+        digits = _trit_digits(packed[r].index_select(0, at).to(torch.float32), inv)
         count = digits if count is None else count + digits
     return out.copy_(torch.sign(count) * scale.index_select(0, segment_of(n, tensor_starts, out.device)))
 
@@ -349,10 +354,15 @@ def _ef_decoded(out, scales, packed, tensor_starts, *, add: bool):
     element's bit is 1, else -1), s_i the scale of its tensor (``segment_of`` ``tensor_starts``): the
     reference path's spread scales, unpacked bits and product in one loop, no index over the bucket."""
     n = out.shape[0]
-    at = torch.arange(n, dtype=torch.int32, device=out.device)
-    bit = (packed.index_select(0, at >> 3).to(torch.int32) >> (at & 7)) & 1
+    bit = _bits_at(packed, torch.arange(n, dtype=torch.int32, device=out.device))
     value = scales.index_select(0, segment_of(n, tensor_starts, out.device)) * (bit * 2 - 1).to(torch.float32)
     return out.add_(value) if add else out.copy_(value)
+
+
+def _bits_at(packed: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """For a kernel: the bit of each position ``at`` (int32) in ``packed``, little-endian in each byte
+    (as :func:`pack_signs` packs them), int32 0 or 1."""
+    return (packed.index_select(0, at >> 3).to(torch.int32) >> (at & 7)) & 1
 
 
 def _bucket_trit_codes(x: torch.Tensor) -> torch.Tensor:
@@ -486,12 +496,11 @@ class OneBit(GatheredCompressor):
         means = torch.cat(sums[0] + sums[1]).div_(torch.cat(counts[0] + counts[1]).clamp_(min=1)) if groups \
             else p.new_empty(0)  # a bucket of empty tensors
         gathered = yield AllGather((means, _bucket_signs(p)))
-        at = None  # the eager path's index, made where it is first needed
+        # 2 j + 1 for an element of column j: the eager path's index, made where it is first needed
+        column_at = functools.cache(lambda: plan.column_index().mul_(2).add_(1))
 
         def decoded(fields):
-            nonlocal at
-            if at is None:
-                at = plan.column_index().mul_(2).add_(1)  # 2 j + 1 for an element of column j
+            at = column_at()
             # One gather from the (a_j, b_j) pairs, at 2 j + 1 - bit: a bucket's floats once, not three
             # times; the bits taken off the index and put back, exactly, rather than a new index per rank.
             pairs = fields[0].view(2, columns).t().reshape(-1)
@@ -602,7 +611,7 @@ def _onebit_decoded(out, means, packed, tensor_starts, offsets, cols, bases, *, 
     tensor = segment_of(n, tensor_starts, out.device)
     offset, cols, base = (t.index_select(0, tensor) for t in (offsets, cols, bases))
     column = base + torch.remainder(at - offset, cols.clamp(min=1))  # >= 1 already; the compile's check passes 0s
-    bit = (packed.index_select(0, at >> 3).to(torch.int32) >> (at & 7)) & 1
+    bit = _bits_at(packed, at)
     value = torch.where(bit == 1, means.index_select(0, column), means.index_select(0, column + columns))
     return out.add_(value) if add else out.copy_(value)
 
@@ -900,13 +909,9 @@ class EFSignSGD(GatheredCompressor):
         layout = b.layout
         scales = layout.segment_mean(p.abs())
         gathered = yield AllGather((scales, _bucket_signs(p)))
-        index = None  # each element's tensor, made where the eager path first needs it: one spreads every rank's scales
-
-        def decoded(fields):
-            nonlocal index
-            if index is None:
-                index = layout.segment_index()
-            return _scaled_signs(*fields, index)
+        # each element's tensor, made where the eager path first needs it: one spreads every rank's scales
+        index = functools.cache(layout.segment_index)
+        decoded = lambda fields: _scaled_signs(*fields, index())  # noqa: E731
         fused = None
         if _ef_decoded.wanted(layout.numel, p):
             fused = lambda out, fields, add: _ef_decoded.ahead(out, *fields, layout.tensor_starts, add=add)  # noqa: E731

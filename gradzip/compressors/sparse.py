@@ -930,13 +930,9 @@ class DGC(MaskedBucket, Sparsifier):
         thresholds = _dgc_thresholds.ahead(sample, short, *plan.rows_short, *plan.rows_full)
         if thresholds is None:
             thresholds = _thresholds(sample, short, plan.ranks_short, plan.ranks_full)
-        index = None  # each element's tensor (int32, bucket-sized), made where an eager step first needs it
-
-        def segments():
-            nonlocal index
-            if index is None:
-                index = layout.segment_index()  # one index spreads every per-tensor quantity below
-            return index
+        # each element's tensor (int32, bucket-sized), made where an eager step first needs it: one index
+        # spreads every per-tensor quantity below
+        segments = functools.cache(layout.segment_index)
         counts = _counts_at_least(absp, thresholds, plan, segments)  # (retries + 1, tensors), a transposed view
         top = None
         if _dgc_selected.wanted(layout.numel, absp):
@@ -946,7 +942,7 @@ class DGC(MaskedBucket, Sparsifier):
             if selected is not None:
                 return selected
         candidates, too_many = _passing(absp, counts.T, thresholds, plan.enough, plan.k, segments())
-        index = None  # before the top k's mask (where not made already): a bucket-sized int32 less at the peak
+        segments.cache_clear()  # before the top k's mask (where not made already): a bucket-sized int32 less at the peak
         return torch.where(too_many, _class_top_k(absp, layout, plan) if top is None else top, candidates)
 
     def bucket_payload_bytes(self, layout, kept: Optional[int] = None) -> int:
