@@ -34,12 +34,15 @@ import os
 import pathlib
 import queue
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -79,13 +82,27 @@ class Package:
     def __init__(self, runner: Callable, mins: list):
         self.runner = runner
         self.mins = mins
+        _LOADED.add(self)
 
     def fits(self, args) -> bool:
-        return all(d >= m for a, low in zip(args, self.mins) for d, m in zip(a.shape, low))
+        return self.runner is not None and all(d >= m for a, low in zip(args, self.mins) for d, m in zip(a.shape, low))
 
     def __call__(self, *args):
-        out = self.runner(*args)
+        """The kernel's outputs; None once unloaded (the caller's reference path)."""
+        runner = self.runner  # held until the call ends, should the process unload it meanwhile
+        if runner is None:
+            return None
+        out = runner(*args)
         return out[0] if isinstance(out, (list, tuple)) and len(out) == 1 else out
+
+    def unload(self) -> None:
+        """Let go of the runner.  AOTInductor unpacks a package into a temporary directory that only the
+        runner's destruction removes, and a process does not destroy all its objects when it exits."""
+        self.runner = None
+
+
+#: Every package loaded in this process, unloaded at its exit.
+_LOADED: "weakref.WeakSet[Package]" = weakref.WeakSet()
 
 
 @functools.lru_cache(maxsize=1)
@@ -168,27 +185,34 @@ def _lock(file) -> None:
     fcntl.flock(file, fcntl.LOCK_EX)
 
 
-_CHILDREN: set = set()
+#: The compiling children running, each with its scratch directory.
+_CHILDREN: dict = {}
 _SPAWN_LOCK = threading.Lock()
 
 
 def spawn(argv: list) -> None:
     """Run the compiling child (a test replaces this); raises with its last line of output if it fails.
-    The child sees this process's import path, so it compiles the very gradzip that asked."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    with _SPAWN_LOCK:
-        if exiting():
-            raise RuntimeError("the process is exiting")
-        child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        _CHILDREN.add(child)
+    The child sees this process's import path, so it compiles the very gradzip that asked.  It unpacks
+    the package it checks into a scratch directory of its own (:func:`_unpack_in_scratch`), removed
+    however the child ends: a child is often killed (its process ended mid-compile)."""
+    scratch = tempfile.mkdtemp(prefix="gradzip-compile-")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), GRADZIP_COMPILE_SCRATCH=scratch)
     try:
-        output, _ = child.communicate(timeout=COMPILE_TIMEOUT_S)
-    except BaseException:  # a timeout, or this thread stopped: the child must not go on alone
-        child.kill()
-        child.communicate()
-        raise RuntimeError(f"compiling a kernel ahead took more than {COMPILE_TIMEOUT_S} s") from None
+        with _SPAWN_LOCK:
+            if exiting():
+                raise RuntimeError("the process is exiting")
+            child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+            _CHILDREN[child] = scratch
+        try:
+            output, _ = child.communicate(timeout=COMPILE_TIMEOUT_S)
+        except BaseException:  # a timeout, or this thread stopped: the child must not go on alone
+            child.kill()
+            child.communicate()
+            raise RuntimeError(f"compiling a kernel ahead took more than {COMPILE_TIMEOUT_S} s") from None
+        finally:
+            _CHILDREN.pop(child, None)
     finally:
-        _CHILDREN.discard(child)
+        shutil.rmtree(scratch, ignore_errors=True)
     if child.returncode:
         raise CompileFailed(child.returncode, output)
 
@@ -272,17 +296,35 @@ def settle(timeout: Optional[float] = None) -> bool:
 
 
 @atexit.register
-def _exit() -> None:  # a queued job is not started, a running child is stopped: the process does not wait
+def _exit() -> None:
+    """A queued job is not started, a running child is stopped (the process does not wait), and every
+    package loaded is unloaded."""
+    _unload_all()
     with _SPAWN_LOCK:
         _EXITING.set()
-        for child in list(_CHILDREN):
+        for child, scratch in list(_CHILDREN.items()):
             child.kill()
+            try:
+                child.wait(timeout=5)  # killed: at once; its files can go only once it has
+            except subprocess.TimeoutExpired:
+                continue
+            shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _forked() -> None:  # a forked copy (a data loader's worker) owns neither its parent's children nor threads
+def _unload_all() -> None:
+    # No wait for the device first: a collective stuck on a dead peer would hang the exit.  A runner may
+    # be destroyed with its kernels in flight, as any object of the user's holding one may.
+    for package in list(_LOADED):
+        package.unload()
+
+
+def _forked() -> None:
+    """A forked copy (a data loader's worker) owns neither its parent's children, nor threads, nor the
+    directories its parent's packages were unpacked into."""
     global _SPAWN_LOCK
     _SPAWN_LOCK = threading.Lock()
     _CHILDREN.clear()
+    _LOADED.clear()
     _JOBS.clear()  # a job of the copy's own starts threads of its own
 
 
@@ -311,6 +353,7 @@ def _main(spec: dict) -> None:
     mins = _least_sizes(exported, shapes, spec["kernel"])
     part = f"{spec['path'].removesuffix('.pt2')}.{socket.gethostname()}.{os.getpid()}"
     torch._inductor.aoti_compile_and_package(exported, package_path=part + ".pt2", inductor_configs=spec["options"])
+    _unpack_in_scratch()
     package = Package(torch._inductor.aoti_load_package(part + ".pt2", device_index=_index(spec["device"])), mins)
     for extra in range(_CHECKED):  # every residue mod 8 of every size: export keeps guards the package drops
         args = _examples(spec, extra, zeros=False)
@@ -391,13 +434,26 @@ def _same(a: torch.Tensor, b: torch.Tensor, ordered: bool = True) -> bool:
             and torch.equal(torch.signbit(a[~nan]), torch.signbit(b[~nan])))
 
 
+def _unpack_in_scratch() -> None:
+    """Have AOTInductor unpack the packages this child loads from now on into its scratch directory
+    (it reads ``TMPDIR`` at each load; only its runner's destruction would remove what it unpacked, and
+    a killed child destroys nothing).  Set once the compile is done, not before: Inductor keeps caches
+    under the temporary directory (precompiled headers), which every compile shares."""
+    scratch = os.environ.get("GRADZIP_COMPILE_SCRATCH")
+    if scratch:
+        os.environ["TMPDIR"] = scratch
+
+
 def _die_with_parent() -> None:
-    """End this child when the process that asked for it is gone (killed, so no atexit ran there)."""
-    parent = os.getppid()
+    """End this child, and remove its scratch directory, when the process that asked for it is gone
+    (killed, so no atexit ran there to do either)."""
+    parent, scratch = os.getppid(), os.environ.get("GRADZIP_COMPILE_SCRATCH")
 
     def watch():
         while os.getppid() == parent:
             time.sleep(1)
+        if scratch:
+            shutil.rmtree(scratch, ignore_errors=True)
         os._exit(1)
     threading.Thread(target=watch, daemon=True).start()
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -210,8 +211,9 @@ def test_dgc_counts_tensors_of_several_pieces(monkeypatch):
 
 def test_the_compile_runs_in_a_child_while_exchanges_go_on(monkeypatch, tmp_path):
     """With no package in the cache, exchanges take the reference path while the child compiles (held
-    here until they are done), the process never compiles (``torch.compiler.is_compiling()`` stays false
-    in it, which PyTorch's optimizers and DDP branch on), and the package serves the exchanges after."""
+    here until they are done; alone, this test also compiles the kernels that the earlier ones did), the
+    process never compiles (``torch.compiler.is_compiling()`` stays false in it, which PyTorch's
+    optimizers and DDP branch on), and the package serves the exchanges after."""
     monkeypatch.setenv("GRADZIP_KERNEL_CACHE", str(tmp_path))
     kernel = quantize._qsgd_bucket_encode
     monkeypatch.setattr(kernel, "ahead_numel", 1)
@@ -233,7 +235,7 @@ def test_the_compile_runs_in_a_child_while_exchanges_go_on(monkeypatch, tmp_path
     while not kernels.settle(timeout=0.01):  # until the child's package is loaded
         compiling |= torch.compiler.is_compiling()
         assert time.monotonic() < deadline
-    assert ran == [False, False] and spawned == ["gradzip-ahead"] and not compiling
+    assert ran == [False, False] and spawned and set(spawned) == {"gradzip-ahead"} and not compiling
     again, _ = exchanges("qsgd", {}, 2)
     assert ran[2:] == [True, True]
     monkeypatch.setattr(kernel, "ahead_numel", 1 << 40)
@@ -312,27 +314,71 @@ def test_a_half_written_sidecar_is_no_package(tmp_path):
     assert ahead._meta(path) == {"mins": []}
 
 
+#: A compiling child as far as its files go: it unpacks something into the directory TMPDIR names, as
+#: AOTInductor does for every package it loads, says where (in the file argv[1]), and waits to be stopped.
+_UNPACKING = ("import os, sys, tempfile, time\n"
+              "from gradzip import ahead\n"
+              "ahead._die_with_parent()\n"
+              "ahead._unpack_in_scratch()\n"
+              "unpacked = tempfile.mkdtemp(prefix='aotinductor_', dir=os.environ['TMPDIR'])\n"
+              "with open(sys.argv[1] + '.part', 'w') as f: f.write(f'{os.getpid()} {unpacked}')\n"
+              "os.replace(sys.argv[1] + '.part', sys.argv[1])\n"
+              "time.sleep(600)\n")
+
+
+def _left(tmp) -> list:
+    """What is left in a temporary directory, but for Inductor's cache (kept there on purpose)."""
+    return [p.name for p in tmp.iterdir() if not p.name.startswith("torchinductor_")]
+
+
 def test_a_process_that_exits_mid_compile_stops_its_child(tmp_path):
     """A user's script that ends while its kernel compiles: the child is stopped (and the lock, released
-    with the process, is free for the next run), and no failure is recorded for it."""
+    with the process, is free for the next run), no failure is recorded for it, and nothing it unpacked
+    is left in the temporary directory."""
     script = (
         "import os, sys, threading, time\n"
         "from gradzip import ahead\n"
         "threading.Thread(target=ahead._compile, args=(sys.argv[1], {}), daemon=True).start()\n"
-        "while not ahead._CHILDREN: time.sleep(0.01)\n"
+        "while not os.path.exists(sys.argv[2]): time.sleep(0.01)\n"
         "print(next(iter(ahead._CHILDREN)).pid, flush=True)\n")
-    path = str(tmp_path / "k.pt2")
-    sleeping = script.replace("from gradzip import ahead\n", "from gradzip import ahead\n"
-                              "spawn = ahead.spawn\n"
-                              "ahead.spawn = lambda argv: spawn([sys.executable, '-c', 'import time; time.sleep(600)'])\n")
-    done = subprocess.run([sys.executable, "-c", sleeping, path], timeout=60, capture_output=True, text=True)
+    path, said, tmp = str(tmp_path / "k.pt2"), str(tmp_path / "said"), tmp_path / "tmp"
+    tmp.mkdir()
+    unpacking = script.replace("from gradzip import ahead\n", "from gradzip import ahead\n"
+                               "spawn = ahead.spawn\n"
+                               f"ahead.spawn = lambda argv: spawn([sys.executable, '-c', {_UNPACKING!r}, {said!r}])\n")
+    done = subprocess.run([sys.executable, "-c", unpacking, path, said], timeout=60, capture_output=True, text=True,
+                          env=dict(os.environ, TMPDIR=str(tmp)))
     assert done.returncode == 0, done.stderr
     child = int(done.stdout.strip())
+    unpacked = open(said).read().split()[1]
     time.sleep(0.2)
     assert not _alive(child) and not os.path.exists(path + ".failed")
+    assert unpacked.startswith(str(tmp)) and _left(tmp) == []
     with open(path + ".lock", "a") as lock:
         import fcntl
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free: raises if still held
+
+
+def test_a_killed_process_leaves_no_compiling_child_nor_its_files(tmp_path):
+    """A process killed (no atexit runs) while a kernel compiles: the child notices, removes its scratch
+    directory with what it unpacked there, and ends."""
+    said, tmp = str(tmp_path / "said"), tmp_path / "tmp"
+    tmp.mkdir()
+    script = (
+        "import os, signal, sys, threading, time\n"
+        "from gradzip import ahead\n"
+        f"threading.Thread(target=ahead.spawn, args=([sys.executable, '-c', {_UNPACKING!r}, {said!r}],), daemon=True).start()\n"
+        f"while not os.path.exists({said!r}): time.sleep(0.01)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n")
+    done = subprocess.run([sys.executable, "-c", script], timeout=60, capture_output=True, text=True,
+                          env=dict(os.environ, TMPDIR=str(tmp)))
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    child, unpacked = open(said).read().split()
+    assert unpacked.startswith(str(tmp)) and os.path.exists(unpacked)  # or the check below could not fail
+    deadline = time.monotonic() + 30
+    while (_alive(int(child)) or _left(tmp)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(int(child)) and _left(tmp) == []
 
 
 def _alive(pid: int) -> bool:
@@ -524,6 +570,30 @@ def test_switched_off_queues_nothing_and_a_small_bucket_queues_its_kernel(monkey
     assert kernel.ahead_numel == 1 and len(kernel._ahead) == 1
 
 
+def test_a_process_that_exits_leaves_no_unpacked_package(tmp_path):
+    """AOTInductor unpacks each package loaded into a temporary directory that only its runner's
+    destruction removes, and a process does not destroy every object as it exits: gradzip unloads its
+    packages then (here natural's, compiled by the earlier tests: this process only loads them)."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    script = (
+        "import glob, os, tempfile, torch\n"
+        "from gradzip import devices, kernels\n"
+        "from gradzip.state import GradzipState\n"
+        "devices.runs_kernels_ahead = lambda where: True\n"
+        "state = GradzipState('natural', bucketed=True, feedback='residual')\n"
+        "for step in range(3):\n"
+        "    gen = torch.Generator().manual_seed(step)\n"
+        f"    named = [(f'p{{i}}', torch.randn(s, generator=gen)) for i, s in enumerate({SHAPES!r})]\n"
+        "    state.exchange(named, out=[g for _, g in named])\n"
+        "    kernels.settle()\n"
+        "print(len(glob.glob(os.path.join(tempfile.gettempdir(), 'aotinductor_*'))), flush=True)\n")
+    done = subprocess.run([sys.executable, "-c", script], timeout=600, capture_output=True, text=True,
+                          env=dict(os.environ, TMPDIR=str(tmp)))
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout.strip()) >= 1 and _left(tmp) == []  # packages were loaded, and none is left
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_a_forked_copy_leaves_the_parents_compile_alone(tmp_path):
     """A data loader's worker forked while a kernel compiles exits (atexit and all) without stopping the
@@ -532,7 +602,7 @@ def test_a_forked_copy_leaves_the_parents_compile_alone(tmp_path):
         "import os, subprocess, sys, time\n"
         "from gradzip import ahead\n"
         "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
-        "ahead._CHILDREN.add(child)\n"
+        "ahead._CHILDREN[child] = os.devnull\n"
         "pid = os.fork()\n"
         "if pid == 0: sys.exit(0)\n"
         "os.waitpid(pid, 0)\n"
