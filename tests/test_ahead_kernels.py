@@ -45,10 +45,10 @@ CASES = [
     ("sketch", {"ratio": 0.05, "rows": 3, "width": 2.0}, ("_sketch_bucket", "_sketch_magnitude")),
     ("fp16", {"feedback": "residual"}, ("_half_share", "_half_residual")),
     ("bf16", {"feedback": "residual"}, ("_half_share", "_half_residual")),
-    ("dgc", {"min_numel": 0, "ratio": 0.1, "warmup_epochs": 0}, ("_counter_uniforms", "_dgc_thresholds", "_dgc_selected",
-                                                                      "_dgc_piece_counts")),
+    ("dgc", {"min_numel": 0, "ratio": 0.1, "warmup_epochs": 0}, ("_counter_uniforms", "_sample_keys", "_dgc_thresholds",
+                                                                      "_dgc_selected", "_dgc_piece_counts")),
     ("randomk", {"ratio": 0.3}, ("_counter_hashes",)),
-    ("dropping", {"drop_ratio": 0.9, "sample_ratio": 0.1}, ("_counter_uniforms", "_dropping_mask")),
+    ("dropping", {"drop_ratio": 0.9, "sample_ratio": 0.1}, ("_counter_uniforms", "_sample_keys", "_dropping_mask")),
 ]
 QUANTISERS = ("qsgd", "terngrad", "natural")
 IDS = [f"{m}-{'-'.join(f'{k}={v}' for k, v in p.items())}" for m, p, _ in CASES]
@@ -199,6 +199,35 @@ def test_one_package_serves_every_size(shapes, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "SHAPES", shapes)
     compare_with_reference("qsgd", {"feedback": "residual"}, names, monkeypatch)
     assert all(kernel_named(name).failed_ahead is None for name in names)
+
+
+@pytest.mark.parametrize("absolute", [False, True])
+def test_sample_keys_order_slots_as_the_two_sorts(absolute, monkeypatch):
+    """DGC's and gradient dropping's sample sorted by one sort of :func:`_sample_keys`' keys (its eager
+    code here: the package equals it, as the tests above check) gives the reference path's two stable
+    sorts' values bit for bit, where values tie (within a tensor and across tensors), are NaN (of
+    three payloads, one negative), +-0.0, +-inf, or fall past their tensor (-1)."""
+    from gradzip.buckets import BucketLayout
+    sparse = sys.modules["gradzip.compressors.sparse"]
+    monkeypatch.setenv("GRADZIP_FUSED", "0")  # the reference path's sorts
+    shapes = [(50,), (7,), (0,), (33,), (1,), (12,)]
+    layout = BucketLayout([f"t{i}" for i in range(len(shapes))], shapes, torch.float32, torch.device("cpu"))
+    plan = sparse._SamplePlan(layout, 3, [True] * len(shapes))
+    gen = torch.Generator().manual_seed(0)
+    odd = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 1.5, -1.5, 1.5, 2.0, -2.0])
+    nans = torch.tensor([0x7FC00000, 0x7FC00001, -0x00400000], dtype=torch.int32).view(torch.float32)
+    pool = torch.cat([odd, nans])
+    for trial in range(20):
+        p = pool[torch.randint(len(pool), (layout.numel,), generator=gen)]
+        x = p.abs() if absolute else p
+        uniforms = torch.rand(len(shapes), generator=gen)
+        want, want_short = plan.sorted(x, uniforms.clone(), absolute)
+        keys, values, short = sparse._sample_keys.fn(x, uniforms, plan.span, plan.span_max, plan.slot_base,
+                                                     plan.slot_tensor, plan.slot_last, plan.last_slot,
+                                                     absolute=absolute)
+        got = values.index_select(0, keys.sort(stable=True).indices)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), trial  # NaN payloads, signs of 0
+        assert torch.equal(short, want_short)
 
 
 def test_dgc_counts_tensors_of_several_pieces(monkeypatch):

@@ -1039,14 +1039,42 @@ class _SamplePlan:
         sample is short), the start of tensor i being floor(uniforms[i] span_i).  One sort by value,
         then a stable one by tensor.  ``absolute=False``: ``absp`` is signed, and its sample is taken
         in magnitude (no bucket-sized |x| needed for it)."""
-        starts = torch.minimum(uniforms.mul_(self.span).long(), self.span_max)
-        positions = self.slot_base + starts.index_select(0, self.slot_tensor)
-        outside = positions > self.slot_last
-        values = absp.index_select(0, torch.minimum(positions, self.slot_last))
-        values = (values if absolute else values.abs_()).masked_fill_(outside, -1.0)
+        args = (absp, uniforms, self.span, self.span_max, self.slot_base, self.slot_tensor, self.slot_last,
+                self.last_slot)
+        if _sample_keys.wanted(absp.numel(), absp):
+            keyed = _sample_keys.ahead(*args, absolute=absolute)
+            if keyed is not None:  # one sort by (tensor, value descending): the same order as the two below
+                keys, values, short = keyed
+                return values.index_select(0, keys.sort(stable=True).indices), short
+        values, outside = _sample(*args, absolute=absolute)
         values, order = values.sort(descending=True, stable=True)
         by_tensor = self.slot_tensor.index_select(0, order).sort(stable=True).indices
         return values.index_select(0, by_tensor), outside.index_select(0, self.last_slot)
+
+
+def _sample(absp, uniforms, span, span_max, slot_base, slot_tensor, slot_last, last_slot, absolute):
+    """(each slot's value, -1 past its tensor; whether it is past its tensor), the slots'
+    :meth:`_SamplePlan.sorted` takes, from tensor i's start floor(uniforms[i] span_i)."""
+    starts = torch.minimum((uniforms * span).long(), span_max)
+    positions = slot_base + starts.index_select(0, slot_tensor)
+    outside = positions > slot_last
+    values = absp.index_select(0, torch.minimum(positions, slot_last))
+    return (values if absolute else values.abs()).masked_fill(outside, -1.0), outside
+
+
+@kernels.fused(min_numel=1)
+def _sample_keys(absp, uniforms, span, span_max, slot_base, slot_tensor, slot_last, last_slot, absolute):
+    """:func:`_sample` in one kernel, with a key per slot whose ascending order is its tensor's, then its
+    value's descending, as the reference path's two stable sorts leave them: tensor * 2^32 + (2^31 - 1 -
+    m), m the value's float32 bits as an int32, which order as the values do (magnitudes, and -1 below
+    them), NaN made one NaN (above inf, as a sort puts every NaN; equal among themselves); and per tensor
+    whether its sample is short.  Fifteen operations of the reference path become this kernel, a sort and
+    a gather."""
+    values, outside = _sample(absp, uniforms, span, span_max, slot_base, slot_tensor, slot_last, last_slot, absolute)
+    v = values.float()
+    m = torch.where(v != v, float("nan"), v).view(torch.int32).long()
+    keys = slot_tensor.long() * 2**32 + (2**31 - 1 - m)
+    return keys, values, outside.index_select(0, last_slot)
 
 
 class _DGCPlan(_SamplePlan):
