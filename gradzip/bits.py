@@ -135,6 +135,12 @@ def index_dtype(numel: int) -> torch.dtype:
     return torch.int32
 
 
+def as_index(positions: torch.Tensor) -> torch.Tensor:
+    """Positions sent as :func:`index_dtype` as an index ``index_add_`` takes: int32 and int64 as they
+    are (no copy), narrower ones widened."""
+    return positions if positions.dtype in (torch.int32, torch.int64) else positions.long()
+
+
 def _broadcast_shape(x, y) -> tuple:
     """The shape that ``x`` and ``y`` broadcast to (they must): ``torch.broadcast_shapes`` in plain
     Python, which costs about 50 us a call there (a tenth of a small tensor's whole 1-bit SGD exchange)."""

@@ -118,6 +118,22 @@ def test_bucket_route_equals_the_per_tensor_route(name, params, dtype):
     assert bucketed.steps == reference.steps
 
 
+@pytest.mark.parametrize("name, params", [("topk", {"ratio": 0.01}), ("threshold", {"tau": 2.0}),
+                                          ("adaptive_threshold", {"ratio": 0.01})], ids=["topk", "threshold", "adaptive"])
+def test_a_bucket_past_16_bit_positions_equals_the_per_tensor_route(name, params, monkeypatch):
+    """In a bucket of more than 2^15 elements positions travel as int32, which the receivers add at as
+    they come (narrower ones are widened first)."""
+    monkeypatch.setattr(sys.modules[__name__], "SHAPES", [(300, 120), (40,), (5, 8)])
+    bucketed, reference = _pair(name, params)
+    for step in range(2):
+        _, named = _bucket(seed=step)
+        expected = reference.exchange([(k, g.clone()) for k, g in named])
+        bucketed.exchange(named, out=[g for _, g in named])
+        assert len(bucketed._route.buckets) == 1
+        for (key, g), want in zip(named, expected):
+            torch.testing.assert_close(g, want, rtol=0, atol=SUM_ORDER.get(name, 0))
+
+
 @pytest.mark.parametrize("name, params", [c for c in CASES if c[0] in RANDOM] or [pytest.param(None, None, marks=pytest.mark.skip("no random method is bucketed yet"))])
 def test_random_methods_are_unbiased_on_the_bucket_route(name, params):
     """A random method's mean aggregate over many steps (fresh draws each step, as the step counter

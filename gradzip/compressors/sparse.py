@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from .. import devices, kernels
-from ..bits import index_dtype
+from ..bits import as_index, index_dtype
 from .base import AllGather, AllReduce, Compressor, Exchanged, GatheredCompressor, TensorContext, check_ratio
 from .base import value_dtype as _parse_value_dtype
 from .base import compare, count_true, wire_cast, workspace, zeroed
@@ -221,7 +221,7 @@ class TopK(Sparsifier):
             if dense:
                 total += got[0]
             else:
-                total.index_add_(0, got[1].long(), got[0].float())
+                total.index_add_(0, as_index(got[1]), got[0].float())
         exactly = p.dtype == vdtype == torch.float32
         return Exchanged(total.div_(b.world_size), sparse=(position, value.float()), sent_exactly=exactly)
 
@@ -660,7 +660,7 @@ def masked_bucket_exchange(p: torch.Tensor, b, passed: torch.Tensor, vdtype: tor
     gathered = yield AllGather((values, idx.to(index_dtype(n + 1))))
     total = torch.zeros(n + 1, dtype=torch.float32, device=p.device)
     for got in gathered:  # rank order: identical sums on every rank; rank 0's is 0 + v, as in exchange()
-        total.index_add_(0, got[1].long(), got[0].float())
+        total.index_add_(0, as_index(got[1]), got[0].float())
     return Exchanged(total[:n].div_(b.world_size), sparse=(idx[:mine], values[:mine].float()), sent_exactly=exactly)
 
 
@@ -1526,7 +1526,7 @@ class AdaptiveThreshold(Compressor):
         plus, tensors = read[0], len(layout)
         values = None  # this rank's own, as decoded from what it sent
         for rank, (mu, at) in enumerate(gathered):  # rank order: identical float sums on every rank
-            at = at if at.dtype in (torch.int32, torch.int64) else at.long()  # what index_add_ takes
+            at = as_index(at)
             # Each position's tensor (padding, n: the last), then its side's mean: mu- of tensor i is
             # mu[T + i].  P and M are disjoint, so one sum of both is exchange()'s two in turn.
             tensor = torch.searchsorted(plan.ends, at, right=True).clamp_(max=tensors - 1)
