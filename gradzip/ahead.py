@@ -80,7 +80,7 @@ class Package:
     within the ranges the export allowed (a size the kernel's code had to assume, such as at least 2)."""
 
     def __init__(self, runner: Callable, mins: list):
-        self.runner = runner
+        self.runner = None if exiting() else runner  # loaded as the process exits: let go of at once
         self.mins = mins
         _LOADED.add(self)
 
@@ -298,8 +298,7 @@ def settle(timeout: Optional[float] = None) -> bool:
 @atexit.register
 def _exit() -> None:
     """A queued job is not started, a running child is stopped (the process does not wait), and every
-    package loaded is unloaded."""
-    _unload_all()
+    package loaded is unloaded (and one that a job loads from now on, at once)."""
     with _SPAWN_LOCK:
         _EXITING.set()
         for child, scratch in list(_CHILDREN.items()):
@@ -309,6 +308,7 @@ def _exit() -> None:
             except subprocess.TimeoutExpired:
                 continue
             shutil.rmtree(scratch, ignore_errors=True)
+    _unload_all()
 
 
 def _unload_all() -> None:

@@ -232,8 +232,12 @@ def test_sample_keys_order_slots_as_the_two_sorts(absolute, monkeypatch):
 
 def test_dgc_counts_tensors_of_several_pieces(monkeypatch):
     """DGC's counts per piece of 2^14 elements (:func:`_dgc_piece_counts`) add up per tensor as the
-    reference path's: tensors of several pieces, one a piece and an element long, one of exactly one."""
+    reference path's: tensors of several pieces, one a piece and an element long, one of exactly one.
+    DGC's other kernels take their reference paths here (no compile of theirs for these shapes)."""
     monkeypatch.setattr(sys.modules[__name__], "SHAPES", [(40000,), (3,), (128, 128), (16385,), (0,)])
+    for kernel in kernels.KERNELS:
+        if kernel.__name__ != "_dgc_piece_counts":
+            monkeypatch.setattr(kernel, "ahead_numel", 1 << 40)
     params = next(case[1] for case in CASES if case[0] == "dgc")
     compare_with_reference("dgc", params, ("_dgc_piece_counts",), monkeypatch)
 
@@ -621,6 +625,16 @@ def test_a_process_that_exits_leaves_no_unpacked_package(tmp_path):
                           env=dict(os.environ, TMPDIR=str(tmp)))
     assert done.returncode == 0, done.stderr
     assert int(done.stdout.strip()) >= 1 and _left(tmp) == []  # packages were loaded, and none is left
+
+
+def test_a_package_loaded_as_the_process_exits_is_let_go_of(monkeypatch):
+    """A job that finishes loading after the exit handler unloaded the others keeps no runner (whose
+    unpacked directory would then outlive the process), and its kernel takes the reference path."""
+    exiting = threading.Event()
+    exiting.set()
+    monkeypatch.setattr(ahead, "_EXITING", exiting)
+    package = ahead.Package(lambda *args: args, [])
+    assert package.runner is None and not package.fits(()) and package() is None
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
