@@ -483,18 +483,22 @@ class OneBit(GatheredCompressor):
         b's, fp32, 8 bytes per column of its non-empty tensors, and its bits together, ceil(n / 8)."""
         layout, world = b.layout, b.world_size
         groups, columns, plan = _columns(layout)
-        sums, counts = ([], []), ([], [])  # per side (>= 0, < 0), per group
+        # every group's column sums and counts written where they lie in the payload: a's of every
+        # group, then b's; the b's counts (rows - count) and every mean by one operation each
+        means = p.new_empty(2 * columns)
+        counts = torch.empty(2 * columns, dtype=torch.int32, device=p.device)
+        at = 0
         for size, rows, cols in groups:
             M = layout.rows(p, size).view(-1, rows, cols)
+            a, b_ = slice(at, at + M.shape[0] * cols), slice(columns + at, columns + at + M.shape[0] * cols)
             pos = M >= 0
-            count = pos.sum(dim=1, dtype=torch.int32)
-            sums[0].append(torch.where(pos, M, plan.zero).sum(dim=1).view(-1))
-            sums[1].append(torch.where(pos, plan.zero, M).sum(dim=1).view(-1))
-            counts[0].append(count.view(-1))
-            counts[1].append((rows - count).view(-1))
-        # every group's means by one division: a's of every group, then b's
-        means = torch.cat(sums[0] + sums[1]).div_(torch.cat(counts[0] + counts[1]).clamp_(min=1)) if groups \
-            else p.new_empty(0)  # a bucket of empty tensors
+            torch.sum(pos, dim=1, dtype=torch.int32, out=counts[a].view(-1, cols))
+            torch.sum(torch.where(pos, M, plan.zero), dim=1, out=means[a].view(-1, cols))
+            torch.sum(torch.where(pos, plan.zero, M), dim=1, out=means[b_].view(-1, cols))
+            at = a.stop
+        if groups:
+            torch.sub(plan.rows_per_column, counts[:columns], out=counts[columns:])
+            means.div_(counts.clamp_(min=1))
         gathered = yield AllGather((means, _bucket_signs(p)))
         # 2 j + 1 for an element of column j: the eager path's index, made where it is first needed
         column_at = functools.cache(lambda: plan.column_index().mul_(2).add_(1))
@@ -546,7 +550,12 @@ def _columns(layout) -> tuple:
             for j, i in enumerate(members):
                 first_column[i] = (columns + j * cols, cols)
             columns += len(members) * cols
-    cached = _COLUMNS[layout] = (tuple(groups), columns, _ColumnIndex(layout, first_column, columns))
+    plan = _ColumnIndex(layout, first_column, columns)
+    # per column, in that order, its tensor's rows: a group's rows once for each of its columns
+    plan.rows_per_column = torch.cat([torch.full((len(size.members) * cols,), rows, dtype=torch.int32)
+                                      for size, rows, cols in groups] or [torch.empty(0, dtype=torch.int32)]
+                                     ).to(layout.device)
+    cached = _COLUMNS[layout] = (tuple(groups), columns, plan)
     return cached
 
 
