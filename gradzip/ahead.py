@@ -410,13 +410,16 @@ def _check(package: Package, fn: Callable, static: dict, args: tuple, name: str,
     """The package's results and writes equal the eager code's, bit for bit (NaN where NaN); at float
     tolerance for a kernel whose sums run in no fixed order (not ``ordered``)."""
     mine = tuple(a.clone() for a in args)
-    got = package(*mine)
-    want = fn(*args, **static)
-    results = list(zip(got, want)) if isinstance(want, tuple) and len(got) == len(want) else [(got, want)]
-    for a, b in [*results, *zip(mine, args)]:
-        if not _same(a, b, ordered):
+    got, want = _outputs(package(*mine)), _outputs(fn(*args, **static))
+    for a, b in [*zip(got, want), *zip(mine, args)]:
+        if len(got) != len(want) or not _same(a, b, ordered):
             raise RuntimeError(f"{name}'s compiled package differs from its eager code at sizes "
                                f"{[tuple(t.shape) for t in args]}")
+
+
+def _outputs(result) -> tuple:
+    """A kernel's outputs as a tuple: one tensor, or several."""
+    return tuple(result) if isinstance(result, (list, tuple)) else (result,)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor, ordered: bool = True) -> bool:

@@ -550,12 +550,7 @@ def _columns(layout) -> tuple:
             for j, i in enumerate(members):
                 first_column[i] = (columns + j * cols, cols)
             columns += len(members) * cols
-    plan = _ColumnIndex(layout, first_column, columns)
-    # per column, in that order, its tensor's rows: a group's rows once for each of its columns
-    plan.rows_per_column = torch.cat([torch.full((len(size.members) * cols,), rows, dtype=torch.int32)
-                                      for size, rows, cols in groups] or [torch.empty(0, dtype=torch.int32)]
-                                     ).to(layout.device)
-    cached = _COLUMNS[layout] = (tuple(groups), columns, plan)
+    cached = _COLUMNS[layout] = (tuple(groups), columns, _ColumnIndex(layout, first_column, columns))
     return cached
 
 
@@ -572,10 +567,13 @@ class _ColumnIndex:
         self.zero = torch.zeros((), device=device)  # what torch.where writes where a side does not hold
         self.numel, self.dtype = layout.numel, torch.int32 if columns < 2**31 else torch.int64
         changes_at, changes, jumps_at, jumps = [], [], [], []
+        # per column its tensor's rows: a column's count of elements < 0 is that less its count >= 0
+        rows_per_column = torch.zeros(columns, dtype=torch.int32)
         step, previous = 0, 0  # the step inside the tensor before, and the last element's column
         for i in sorted(first_column, key=lambda i: layout.offsets[i]):  # bucket order
             base, cols = first_column[i]
             offset, n = layout.offsets[i], layout.numels[i]
+            rows_per_column[base:base + cols] = n // cols
             inside = 1 if cols > 1 else 0
             if inside != step:
                 changes_at.append(offset)
@@ -593,6 +591,7 @@ class _ColumnIndex:
         self.changes = torch.tensor(changes, dtype=self.dtype, device=device)
         self.jumps_at = torch.cat(jumps_at).to(device) if jumps_at else self.changes_at[:0]
         self.jumps = torch.cat(jumps).to(device=device, dtype=self.dtype) if jumps else self.changes[:0]
+        self.rows_per_column = rows_per_column.to(device)
 
         # For a kernel (:func:`_onebit_decoded`): per tensor its offset, columns and first column, int32
         # (None where int32 does not hold them); an empty tensor's 1 column keeps the remainder defined.

@@ -1046,20 +1046,20 @@ class _SamplePlan:
             if keyed is not None:  # one sort by (tensor, value descending): the same order as the two below
                 keys, values, short = keyed
                 return values.index_select(0, keys.sort(stable=True).indices), short
-        values, outside = _sample(*args, absolute=absolute)
+        values, short = _sample(*args, absolute=absolute)
         values, order = values.sort(descending=True, stable=True)
         by_tensor = self.slot_tensor.index_select(0, order).sort(stable=True).indices
-        return values.index_select(0, by_tensor), outside.index_select(0, self.last_slot)
+        return values.index_select(0, by_tensor), short
 
 
 def _sample(absp, uniforms, span, span_max, slot_base, slot_tensor, slot_last, last_slot, absolute):
-    """(each slot's value, -1 past its tensor; whether it is past its tensor), the slots'
-    :meth:`_SamplePlan.sorted` takes, from tensor i's start floor(uniforms[i] span_i)."""
+    """(each slot's value, -1 past its tensor; per tensor whether its last slot is past it: its sample
+    is short), as :meth:`_SamplePlan.sorted` takes them, from tensor i's start floor(uniforms[i] span_i)."""
     starts = torch.minimum((uniforms * span).long(), span_max)
     positions = slot_base + starts.index_select(0, slot_tensor)
     outside = positions > slot_last
     values = absp.index_select(0, torch.minimum(positions, slot_last))
-    return (values if absolute else values.abs()).masked_fill(outside, -1.0), outside
+    return (values if absolute else values.abs()).masked_fill(outside, -1.0), outside.index_select(0, last_slot)
 
 
 @kernels.fused(min_numel=1)
@@ -1070,11 +1070,11 @@ def _sample_keys(absp, uniforms, span, span_max, slot_base, slot_tensor, slot_la
     them), NaN made one NaN (above inf, as a sort puts every NaN; equal among themselves); and per tensor
     whether its sample is short.  Fifteen operations of the reference path become this kernel, a sort and
     a gather."""
-    values, outside = _sample(absp, uniforms, span, span_max, slot_base, slot_tensor, slot_last, last_slot, absolute)
+    values, short = _sample(absp, uniforms, span, span_max, slot_base, slot_tensor, slot_last, last_slot, absolute)
     v = values.float()
     m = torch.where(v != v, float("nan"), v).view(torch.int32).long()
     keys = slot_tensor.long() * 2**32 + (2**31 - 1 - m)
-    return keys, values, outside.index_select(0, last_slot)
+    return keys, values, short
 
 
 class _DGCPlan(_SamplePlan):
