@@ -1,6 +1,7 @@
 """Count sketches: a fixed-size linear summary of the gradient, summed by one allreduce."""
 from __future__ import annotations
 
+import itertools
 import math
 import weakref
 from typing import Optional
@@ -46,14 +47,27 @@ def median_of_rows(a: torch.Tensor) -> torch.Tensor:
 _MIX, _PRIME = 1_000_003, 2**31 - 1
 
 
-def row_seeds(seed: int, crcs: torch.Tensor, step: int, rows: int) -> torch.Tensor:
+def row_seeds(seed: int, crcs: torch.Tensor, step: int, rows: int,
+              folded: Optional[torch.Tensor] = None) -> torch.Tensor:
     """int32 seeds (rows, *crcs.shape) of the hash rows of the tensors whose key hashes are ``crcs``
     (int64, on the device): (seed, key, step, row) folded on the device, so that a bucket's tensors get
-    theirs without a copy from the host."""
+    theirs without a copy from the host.  Folding (seed, key), then the step, then the row j,
+
+        ((((key + seed M) mod P) M + step) mod P) M + j) mod P  =  (F + (step M mod P) + j) mod P,
+        F = ((key + seed M) mod P) M^2 mod P
+
+    (every term below 2^52: no int64 overflows), so F, which only the seed and keys fix, is
+    ``folded`` (:func:`keys_folded`) where the caller keeps it, and a step costs four operations."""
+    folded = keys_folded(seed, crcs) if folded is None else folded
+    stepped = (step % _PRIME) * _MIX % _PRIME
+    j = torch.arange(stepped + 1, stepped + rows + 1, dtype=torch.int64, device=crcs.device)
+    return torch.remainder(folded + j.view(-1, *([1] * crcs.dim())), _PRIME).to(torch.int32)
+
+
+def keys_folded(seed: int, crcs: torch.Tensor) -> torch.Tensor:
+    """F of :func:`row_seeds`: ((crcs + seed M) mod P) M^2 mod P, int64."""
     v = (crcs + (seed % _PRIME) * _MIX) % _PRIME
-    v = (v * _MIX + step % _PRIME) % _PRIME
-    j = torch.arange(1, rows + 1, dtype=torch.int64, device=crcs.device).view(-1, *([1] * crcs.dim()))
-    return ((v * _MIX + j) % _PRIME).to(torch.int32)
+    return (v * _MIX % _PRIME) * _MIX % _PRIME
 
 
 def sketch_draws(positions: torch.Tensor, seeds: torch.Tensor, cols, buffer=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,16 +189,17 @@ class Sketch(Compressor):
         if not plan.classes:  # nothing compressed: every tensor averaged densely
             total = yield AllReduce(p / world if world > 1 else p.clone())
             return Exchanged(total, sparse=(torch.arange(layout.numel, device=p.device), p), sent_exactly=True)
-        seeds = row_seeds(b.seed, plan.key_hashes, b.step, rows)  # (rows, tensors)
+        seeds = row_seeds(b.seed, plan.key_hashes, b.step, rows, plan.folded(b.seed))  # (rows, tensors)
         sketch = self._sketches(p, plan, seeds)
-        dense_values = p.index_select(0, plan.dense_at) if plan.dense_at is not None else p.new_zeros(0)
-        total = yield AllReduce(torch.cat([sketch, dense_values / world if world > 1 else dense_values]))
+        if plan.dense_at is None:
+            total = yield AllReduce(sketch)
+        else:
+            dense_values = p.index_select(0, plan.dense_at)
+            total = yield AllReduce(torch.cat([sketch, dense_values / world if world > 1 else dense_values]))
         del sketch
         magnitude = self._magnitudes(p, total[:rows * plan.sum_cols], plan, seeds)
-        chosen = [layout.rows(magnitude, size).topk(k, dim=1, sorted=False).indices.add_(size.starts.view(-1, 1))
-                  for size, k in plan.classes]
+        at = plan.chosen(layout, magnitude)
         del magnitude
-        at = _positions(chosen, p.device)
         mine = p.index_select(0, at)
         values = yield AllReduce(mine)
         aggregate = torch.zeros(layout.numel, dtype=torch.float32, device=p.device)
@@ -240,11 +255,6 @@ class Sketch(Compressor):
             cols = math.ceil(self.width * k)
             total += self.rows * cols + k if k > 0 and self.rows * cols < n else n
         return total * 4
-
-
-def _positions(parts: list, device: torch.device) -> torch.Tensor:
-    """int64 positions in the bucket, the parts' end to end (none: empty)."""
-    return torch.cat([part.reshape(-1) for part in parts]) if parts else torch.empty(0, dtype=torch.int64, device=device)
 
 
 @kernels.fused(ordered=False)
@@ -333,6 +343,11 @@ class _SketchPlan:
         self.key_hashes = torch.tensor([_stable_hash(key + "/sketch") for key in layout.keys], dtype=torch.int64,
                                        device=device)
         self.classes = [(size, ks[size.members[0]]) for size in layout.classes if compressed[size.members[0]]]
+        # the chosen positions, each class's (members, k) block end to end, and each one's tensor's start
+        self.chosen_ends = list(itertools.accumulate((len(size.members) * k for size, k in self.classes), initial=0))
+        self.chosen_starts = (torch.cat([size.starts.view(-1, 1).expand(-1, k).reshape(-1) for size, k in self.classes])
+                              if self.classes else torch.empty(0, dtype=torch.int64, device=device))
+        self._folded: dict = {}
         dense = [torch.arange(o, o + n, device=device) for o, n, yes in zip(layout.offsets, numels, compressed)
                  if not yes and n]
         self.dense_at = torch.cat(dense) if dense else None
@@ -340,6 +355,22 @@ class _SketchPlan:
         self.row_starts = _row_starts(rows, rows * self.sum_cols, device)
         size = max(_MIN_PIECE, -(-layout.numel // (_PIECES_PER_ROW * rows + 1)))
         self.pieces = [(start, min(start + size, layout.numel)) for start in range(0, layout.numel, size)]
+
+    def folded(self, seed: int) -> torch.Tensor:
+        """The tensors' :func:`keys_folded` under ``seed``, made once."""
+        if seed not in self._folded:
+            self._folded[seed] = keys_folded(seed, self.key_hashes)
+        return self._folded[seed]
+
+    def chosen(self, layout, magnitude: torch.Tensor) -> torch.Tensor:
+        """The bucket's positions (int64) of each compressed tensor's k largest ``magnitude``: one topk
+        per size class, written where its block lies, then every tensor's start added at once."""
+        at = torch.empty(self.chosen_ends[-1], dtype=torch.int64, device=magnitude.device)
+        values = torch.empty(at.numel(), dtype=magnitude.dtype, device=magnitude.device)
+        for (size, k), lo, hi in zip(self.classes, self.chosen_ends, self.chosen_ends[1:]):
+            torch.topk(layout.rows(magnitude, size), k, dim=1, sorted=False,
+                       out=(values[lo:hi].view(-1, k), at[lo:hi].view(-1, k)))
+        return at.add_(self.chosen_starts)
 
     def draws(self, seeds: torch.Tensor, start: int, stop: int) -> tuple:
         """:func:`_draws_of` the elements of the piece [start, stop) of the bucket."""
