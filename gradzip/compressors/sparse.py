@@ -1542,31 +1542,42 @@ class AdaptiveThreshold(Compressor):
         """(means: mu+ of every tensor then mu- of every tensor, fp32; the bool masks of P and M over
         the bucket), from k (2, tensors) and each size class's peaks [k+ max, k- max, ...]: per class
         its rows' largest and smallest values (each topk as long as the larger peak, sorted: the first
-        k of each row are kept), both sides' sums, means and marks at once (rows + then rows -)."""
+        k of each row are kept), both sides' sums, means and marks at once (rows + then rows -).  Every
+        class's block of values, positions and kept flags lies in one flat buffer of each, so that what
+        follows the topks is one operation for all classes, or one per class writing into its place."""
         means = torch.zeros(2 * len(layout), dtype=torch.float32, device=p.device)
         marks = torch.zeros(2 * layout.numel, dtype=torch.bool, device=p.device)  # P's, then M's
-        k_rows = ks.view(-1).index_select(0, plan.all_sides)  # every class's rows' k, one gather for all
-        rows, sums, positions, kept = [], [], [], []  # per class with a peak: each written once for all below
-        for c, (size, both, starts, (lo, hi)) in enumerate(zip(layout.classes, plan.both_sides, plan.both_starts,
-                                                                plan.class_rows)):
+        blocks, at = [], 0  # per class with a peak: (class, its block's start in the flat buffers, peak)
+        for c, size in enumerate(layout.classes):
             peak = max(peaks[2 * c], peaks[2 * c + 1])
-            if not peak:
-                continue
-            r, m = layout.rows(p, size), len(size.members)
-            # the largest then the smallest of each row, written where the two sides' rows lie (no cat)
-            values = torch.empty(2 * m, peak, dtype=r.dtype, device=p.device)
-            at = torch.empty(2 * m, peak, dtype=torch.int64, device=p.device)
-            torch.topk(r, peak, dim=1, out=(values[:m], at[:m]))
-            torch.topk(r, peak, dim=1, largest=False, out=(values[m:], at[m:]))
-            kept.append(_counting(peak, p.device) < k_rows[lo:hi].view(-1, 1))
-            sums.append(torch.where(kept[-1], values, plan.zero).sum(dim=1))
-            positions.append(at.add_(starts).view(-1))
-            rows.append((both, k_rows[lo:hi]))
-        if rows:
-            # every class has a peak (the common case): its rows and their k as gathered, no join
-            both, k = (plan.all_sides, k_rows) if len(rows) == len(layout.classes) else map(_joined, zip(*rows))
-            means.index_copy_(0, both, _joined(sums).div_(k.clamp(min=1)))  # k is float64: each quotient rounded once
-            marks.index_put_((_joined(positions),), _joined([k.view(-1) for k in kept]))
+            if peak:
+                blocks.append((c, at, peak))
+                at += 2 * len(size.members) * peak
+        if not blocks:
+            return means, marks.view(2, -1)
+        k_rows = ks.view(-1).index_select(0, plan.all_sides)  # every class's rows' k, one gather for all
+        values = torch.empty(at, dtype=p.dtype, device=p.device)
+        positions = torch.empty(at, dtype=torch.int64, device=p.device)
+        kept = torch.empty(at, dtype=torch.bool, device=p.device)
+        views = []
+        for c, start, peak in blocks:
+            size, (lo, hi) = layout.classes[c], plan.class_rows[c]
+            r, m, block = layout.rows(p, size), len(size.members), slice(start, start + 2 * len(size.members) * peak)
+            v, a = values[block].view(2 * m, peak), positions[block].view(2 * m, peak)
+            # the largest then the smallest of each row, written where the two sides' rows lie
+            torch.topk(r, peak, dim=1, out=(v[:m], a[:m]))
+            torch.topk(r, peak, dim=1, largest=False, out=(v[m:], a[m:]))
+            torch.lt(_counting(peak, p.device), k_rows[lo:hi].view(-1, 1), out=kept[block].view(2 * m, peak))
+            a.add_(plan.both_starts[c])
+            views.append((v, lo, hi))
+        torch.where(kept, values, plan.zero, out=values)  # what no side keeps adds nothing to a sum
+        # a class without a peak keeps nothing: its rows' sums are 0 (and so their means)
+        sums = (torch.empty if len(blocks) == len(layout.classes) else torch.zeros)(
+            len(plan.all_sides), dtype=torch.float32, device=p.device)
+        for v, lo, hi in views:
+            torch.sum(v, dim=1, out=sums[lo:hi])
+        means.index_copy_(0, plan.all_sides, sums.div_(k_rows.clamp(min=1)))  # k is float64: each quotient rounded once
+        marks.index_put_((positions,), kept)
         return means, marks.view(2, -1)
 
     def bucket_payload_bytes(self, layout, kept: Optional[int] = None):
