@@ -959,7 +959,7 @@ def _in_magnitude(p: torch.Tensor):
     try:
         yield p.abs_()
     finally:
-        p.copysign_(negative.to(torch.int8).neg_())  # -1 where the sign was set, +0 where not
+        p.copysign_(negative.view(torch.int8).neg())  # -1 where the sign was set, +0 where not
         del negative
 
 
@@ -1105,6 +1105,11 @@ class _DGCPlan(_SamplePlan):
                         for size in layout.classes
                         if any(_compressed(layout.shapes[i], min_numel) for i in size.members)]
         self.true = torch.ones((), dtype=torch.bool, device=layout.device)
+        # the classes' top k positions, each class's (members, k) block end to end: where each block
+        # ends, and each position's tensor's start
+        self.top_ends = list(itertools.accumulate((len(members) * k for members, k, _ in self.classes), initial=0))
+        self.top_starts = (torch.cat([starts.expand(-1, k).reshape(-1) for _, k, starts in self.classes])
+                           if self.classes else torch.empty(0, dtype=torch.int64, device=layout.device))
 
 
 #: Per bucket layout: DGC's plans by (stride, min_numel, density, lower_bound, retries), gradient
@@ -1224,10 +1229,12 @@ def _class_top_k(absp: torch.Tensor, layout, plan: _DGCPlan) -> torch.Tensor:
     """Each compressed tensor's k largest of ``absp`` as a bool over the bucket: one ``topk`` over the
     stacked rows of each size class (with a compressed member; the others' rows are left False)."""
     top = torch.zeros(layout.numel, dtype=torch.bool, device=absp.device)
-    for members, k, starts in plan.classes:
-        rows = layout.stacked(absp, members)
-        top.index_put_((rows.topk(k, dim=1, sorted=False).indices.add_(starts),), plan.true)
-    return top
+    at = torch.empty(plan.top_ends[-1], dtype=torch.int64, device=absp.device)
+    values = torch.empty(at.numel(), dtype=absp.dtype, device=absp.device)
+    for (members, k, _), lo, hi in zip(plan.classes, plan.top_ends, plan.top_ends[1:]):  # each where its block lies
+        torch.topk(layout.stacked(absp, members), k, dim=1, sorted=False, out=(values[lo:hi].view(-1, k),
+                                                                                at[lo:hi].view(-1, k)))
+    return top.index_put_((at.add_(plan.top_starts),), plan.true)
 
 
 
