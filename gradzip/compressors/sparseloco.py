@@ -98,18 +98,23 @@ class SparseLoCo(Compressor):
     def encode_values(values: torch.Tensor, k, unkept: Optional[torch.Tensor] = None) -> tuple:
         """The levels (lo, hi per row, flat) and 2-bit codes (one per byte, flat) of each row's k kept
         values (rows, k); ``k`` an int or, per row, an int64 tensor (rows,) with ``unkept`` the entries
-        past each row's own k (bool, as ``values``: no sum counts them, and their codes mean nothing)."""
+        past each row's own k (bool, as ``values``: no sum counts them, and their codes mean nothing).
+        Both groups' sums and sizes come from one (rows, 2, k) selection: the small group's magnitudes
+        in its first plane, the large group's in its second."""
         magnitude = values.abs()
         if unkept is None:
             large = magnitude > magnitude.sum(dim=1, keepdim=True) / max(k, 1)
         else:
             large = magnitude.masked_fill_(unkept, 0.0) > magnitude.sum(dim=1, keepdim=True) / k.clamp(min=1).view(-1, 1)
-        zero = magnitude.new_zeros(())
-        n_large = large.sum(dim=1)
-        # A selection, not magnitude * large: inf * 0 would be NaN.
-        hi = torch.where(large, magnitude, zero).sum(dim=1) / n_large.clamp(min=1)
-        lo = torch.where(large, zero, magnitude).sum(dim=1) / (k - n_large).clamp(min=1)
-        return torch.stack([lo, hi], dim=1).reshape(-1), (large.to(torch.uint8) * 2 + (values < 0)).reshape(-1)
+        sides = _sides(values.device)
+        grouped = large.unsqueeze(1) == sides[0]  # (rows, 2, k): [small, large]
+        # A selection, not magnitude * grouped: inf * 0 would be NaN.
+        sums = torch.where(grouped, magnitude.unsqueeze(1), sides[1]).sum(dim=2)
+        sizes = grouped.sum(dim=2)
+        if unkept is not None:  # an unkept entry is in no group, though its magnitude (0) is small
+            torch.sub(k, sizes[:, 1], out=sizes[:, 0])
+        codes = torch.bitwise_or(large.view(torch.uint8) << 1, (values < 0).view(torch.uint8))  # 2 large + negative
+        return sums.div_(sizes.clamp_(min=1)).reshape(-1), codes.reshape(-1)
 
     def decode(self, fields: tuple, n: int) -> tuple:
         """(unique int64 positions in the flattened tensor, float32 values) of one rank's payload."""
@@ -206,9 +211,10 @@ class _ChunkPlan:
     where none is past).
 
     Per kept entry, in wire order (the full chunks' rows, then the short ones', k entries each):
-    ``entry_level``, twice its chunk's row (int32: its level is ``levels[entry_level + large]``, its
-    position its index plus ``level_start[entry_level]``, each row's start twice over).  ``kept``: K,
-    in all.  Four bytes per kept entry, a fiftieth of the bucket at the default density.
+    ``entry_code``, four times its chunk's row (its value is entry ``entry_code + code`` of the chunks'
+    signed levels lo, -lo, hi, -hi end to end), and ``entry_start``, its chunk's start (its position is
+    its index plus that); int64 both.  ``kept``: K, in all.  Sixteen bytes per kept entry, about a third
+    of a byte per element of the bucket at the default density.
     """
 
     def __init__(self, layout, chunk: int, kept_of):
@@ -242,8 +248,8 @@ class _ChunkPlan:
             self.k, self.unkept = ks.to(device), (~kept).to(device)
             self.keep = kept[len(full):].reshape(-1).nonzero().view(-1).to(device)  # every full row keeps all
         self.kept = int(ks.sum())
-        self.level_start = starts.repeat_interleave(2).to(device)
-        self.entry_level = torch.arange(0, 2 * len(ks), 2, dtype=torch.int32).repeat_interleave(ks).to(device)
+        self.entry_code = torch.arange(0, 4 * len(ks), 4).repeat_interleave(ks).to(device)
+        self.entry_start = starts.repeat_interleave(ks).to(device)
         self.empty = torch.empty(0, device=device)
 
     def encode(self, e: torch.Tensor) -> tuple:
@@ -275,19 +281,18 @@ class _ChunkPlan:
     def decode(self, fields: tuple) -> tuple:
         """(unique int64 positions in the bucket, float32 values) of one rank's bucket payload."""
         levels, packed, idx = fields
-        codes = _unpack2(packed, self.kept)
-        magnitude = levels.index_select(0, self.entry_level + (codes >> 1))
-        positions = idx.long() + self.level_start.index_select(0, self.entry_level)
-        return positions, torch.where((codes & 1).bool(), -magnitude, magnitude)
+        signed = torch.stack([levels, levels.neg()], dim=1).view(-1)  # each chunk's lo, -lo, hi, -hi
+        values = signed.index_select(0, self.entry_code + _unpack2(packed, self.kept))  # code: 2 large + negative
+        return torch.add(self.entry_start, idx), values
 
 
 def _pack2(codes: torch.Tensor) -> torch.Tensor:
     """2-bit codes (uint8, < 4) packed four per byte, the first in the lowest bits (as
     :func:`gradzip.bits.pack_bits`), by tensor operations alone."""
-    n = codes.numel()
-    padded = torch.zeros(-(-n // 4) * 4, dtype=torch.uint8, device=codes.device)
-    padded[:n] = codes
-    return (padded.view(-1, 4) << _shifts2(codes.device)).sum(dim=1, dtype=torch.uint8)
+    pad = -codes.numel() % 4
+    if pad:
+        codes = torch.cat([codes, _three_zeros(codes.device)[:pad]])
+    return (codes.view(-1, 4) << _shifts2(codes.device)).sum(dim=1, dtype=torch.uint8)
 
 
 def _unpack2(packed: torch.Tensor, n: int) -> torch.Tensor:
@@ -297,6 +302,18 @@ def _unpack2(packed: torch.Tensor, n: int) -> torch.Tensor:
 
 #: Per bucket layout: SparseLoCo's plans by (chunk, density) (see SparseLoCo.bucket_plan).
 _PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+@functools.lru_cache(maxsize=8)
+def _sides(device: torch.device) -> tuple:
+    """(the groups [small, large] as a (2, 1) bool, a float32 0) on ``device``, made once (read only)."""
+    return torch.tensor([[False], [True]], device=device), torch.zeros((), device=device)
+
+
+@functools.lru_cache(maxsize=8)
+def _three_zeros(device: torch.device) -> torch.Tensor:
+    """Three uint8 zeros on ``device`` (the most a last byte of codes is padded with), made once (read only)."""
+    return torch.zeros(3, dtype=torch.uint8, device=device)
 
 
 @functools.lru_cache(maxsize=8)
