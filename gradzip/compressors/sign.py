@@ -483,21 +483,20 @@ class OneBit(GatheredCompressor):
         b's, fp32, 8 bytes per column of its non-empty tensors, and its bits together, ceil(n / 8)."""
         layout, world = b.layout, b.world_size
         groups, columns, plan = _columns(layout)
-        # every group's column sums and counts written where they lie in the payload: a's of every
-        # group, then b's; the b's counts (rows - count) and every mean by one operation each
+        # every group's column sums and counts written where they lie in the payload, a's of every group
+        # then b's: both sides of a group at once, from its elements' two planes [>= 0, not >= 0]
         means = p.new_empty(2 * columns)
         counts = torch.empty(2 * columns, dtype=torch.int32, device=p.device)
         at = 0
         for size, rows, cols in groups:
             M = layout.rows(p, size).view(-1, rows, cols)
-            a, b_ = slice(at, at + M.shape[0] * cols), slice(columns + at, columns + at + M.shape[0] * cols)
-            pos = M >= 0
-            torch.sum(pos, dim=1, dtype=torch.int32, out=counts[a].view(-1, cols))
-            torch.sum(torch.where(pos, M, plan.zero), dim=1, out=means[a].view(-1, cols))
-            torch.sum(torch.where(pos, plan.zero, M), dim=1, out=means[b_].view(-1, cols))
-            at = a.stop
+            placed = slice(at, at + M.shape[0] * cols)
+            sides = (M >= 0).unsqueeze(0) == plan.sides  # (2, matrices, rows, cols); NaN is on b's side
+            torch.sum(sides, dim=2, dtype=torch.int32, out=counts.view(2, columns)[:, placed].view(2, -1, cols))
+            torch.sum(torch.where(sides, M.unsqueeze(0), plan.zero), dim=2,
+                      out=means.view(2, columns)[:, placed].view(2, -1, cols))
+            at = placed.stop
         if groups:
-            torch.sub(plan.rows_per_column, counts[:columns], out=counts[columns:])
             means.div_(counts.clamp_(min=1))
         gathered = yield AllGather((means, _bucket_signs(p)))
         # 2 j + 1 for an element of column j: the eager path's index, made where it is first needed
@@ -565,15 +564,13 @@ class _ColumnIndex:
     def __init__(self, layout, first_column: dict, columns: int):
         device = layout.device
         self.zero = torch.zeros((), device=device)  # what torch.where writes where a side does not hold
+        self.sides = torch.tensor([True, False], device=device).view(2, 1, 1, 1)  # a_j's side, then b_j's
         self.numel, self.dtype = layout.numel, torch.int32 if columns < 2**31 else torch.int64
         changes_at, changes, jumps_at, jumps = [], [], [], []
-        # per column its tensor's rows: a column's count of elements < 0 is that less its count >= 0
-        rows_per_column = torch.zeros(columns, dtype=torch.int32)
         step, previous = 0, 0  # the step inside the tensor before, and the last element's column
         for i in sorted(first_column, key=lambda i: layout.offsets[i]):  # bucket order
             base, cols = first_column[i]
             offset, n = layout.offsets[i], layout.numels[i]
-            rows_per_column[base:base + cols] = n // cols
             inside = 1 if cols > 1 else 0
             if inside != step:
                 changes_at.append(offset)
@@ -591,7 +588,6 @@ class _ColumnIndex:
         self.changes = torch.tensor(changes, dtype=self.dtype, device=device)
         self.jumps_at = torch.cat(jumps_at).to(device) if jumps_at else self.changes_at[:0]
         self.jumps = torch.cat(jumps).to(device=device, dtype=self.dtype) if jumps else self.changes[:0]
-        self.rows_per_column = rows_per_column.to(device)
 
         # For a kernel (:func:`_onebit_decoded`): per tensor its offset, columns and first column, int32
         # (None where int32 does not hold them); an empty tensor's 1 column keeps the remainder defined.
