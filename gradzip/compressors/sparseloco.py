@@ -211,10 +211,10 @@ class _ChunkPlan:
     where none is past).
 
     Per kept entry, in wire order (the full chunks' rows, then the short ones', k entries each):
-    ``entry_code``, four times its chunk's row (its value is entry ``entry_code + code`` of the chunks'
-    signed levels lo, -lo, hi, -hi end to end), and ``entry_start``, its chunk's start (its position is
-    its index plus that); int64 both.  ``kept``: K, in all.  Sixteen bytes per kept entry, about a third
-    of a byte per element of the bucket at the default density.
+    ``entry_code``, four times its chunk's row (int32 where that holds: its value is entry ``entry_code
+    + code`` of the chunks' signed levels lo, -lo, hi, -hi end to end, its position its index plus
+    entry ``entry_code`` of ``row_starts``, each chunk's start four times over).  ``kept``: K, in all.
+    Four bytes per kept entry, a fiftieth of the bucket at the default density.
     """
 
     def __init__(self, layout, chunk: int, kept_of):
@@ -248,8 +248,9 @@ class _ChunkPlan:
             self.k, self.unkept = ks.to(device), (~kept).to(device)
             self.keep = kept[len(full):].reshape(-1).nonzero().view(-1).to(device)  # every full row keeps all
         self.kept = int(ks.sum())
-        self.entry_code = torch.arange(0, 4 * len(ks), 4).repeat_interleave(ks).to(device)
-        self.entry_start = starts.repeat_interleave(ks).to(device)
+        self.row_starts = starts.repeat_interleave(4).to(device)
+        code_dtype = torch.int32 if 4 * len(ks) < 2**31 else torch.int64
+        self.entry_code = torch.arange(0, 4 * len(ks), 4, dtype=code_dtype).repeat_interleave(ks).to(device)
         self.empty = torch.empty(0, device=device)
 
     def encode(self, e: torch.Tensor) -> tuple:
@@ -283,7 +284,7 @@ class _ChunkPlan:
         levels, packed, idx = fields
         signed = torch.stack([levels, levels.neg()], dim=1).view(-1)  # each chunk's lo, -lo, hi, -hi
         values = signed.index_select(0, self.entry_code + _unpack2(packed, self.kept))  # code: 2 large + negative
-        return torch.add(self.entry_start, idx), values
+        return torch.add(self.row_starts.index_select(0, self.entry_code), idx), values
 
 
 def _pack2(codes: torch.Tensor) -> torch.Tensor:
