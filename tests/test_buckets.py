@@ -118,6 +118,16 @@ def test_bucket_route_equals_the_per_tensor_route(name, params, dtype):
     assert bucketed.steps == reference.steps
 
 
+#: Three matrices of one shape at unequal distances: a size class no strided view holds (stacked instead).
+UNEVEN_SHAPES = [(8, 40), (40,), (8, 40), (3,), (8, 40), (5, 8)]
+
+
+@pytest.mark.parametrize("name, params", CASES, ids=IDS)
+def test_a_size_class_at_unequal_distances_equals_the_per_tensor_route(name, params, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "SHAPES", UNEVEN_SHAPES)
+    test_bucket_route_equals_the_per_tensor_route(name, params, torch.float32)
+
+
 @pytest.mark.parametrize("name, params", [("topk", {"ratio": 0.01}), ("threshold", {"tau": 2.0}),
                                           ("adaptive_threshold", {"ratio": 0.01})], ids=["topk", "threshold", "adaptive"])
 def test_a_bucket_past_16_bit_positions_equals_the_per_tensor_route(name, params, monkeypatch):

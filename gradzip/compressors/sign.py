@@ -29,8 +29,8 @@ import torch
 
 from .. import devices, kernels
 from ..bits import pack_bits, packed_nbytes, select, unpack_bits
-from .bucket import (SizeClass, bits_of, int32_columns, pack_signs, segment_of, signed_, summed_in_rank_order,
-                     unpack_signs)
+from .bucket import (SizeClass, bits_of, int32_columns, pack_signs, segment_of, signed_, strided_at,
+                     summed_in_rank_order, unpack_signs)
 from .base import (AllGather, Exchanged, GatheredCompressor, TensorContext, chunked_sum, column_counts, compare,
                    packed_codes, times_scale, workspace)
 from .registry import register
@@ -484,18 +484,20 @@ class OneBit(GatheredCompressor):
         layout, world = b.layout, b.world_size
         groups, columns, plan = _columns(layout)
         # every group's column sums and counts written where they lie in the payload, a's of every group
-        # then b's: both sides of a group at once, from its elements' two planes [>= 0, not >= 0]
+        # then b's: both sides of a group at once, from the bucket's two planes [>= 0, not >= 0]
         means = p.new_empty(2 * columns)
         counts = torch.empty(2 * columns, dtype=torch.int32, device=p.device)
+        planes = (p >= 0).unsqueeze(0) == plan.sides  # (2, n); NaN is on b's side
         at = 0
         for size, rows, cols in groups:
             M = layout.rows(p, size).view(-1, rows, cols)
             placed = slice(at, at + M.shape[0] * cols)
-            sides = (M >= 0).unsqueeze(0) == plan.sides  # (2, matrices, rows, cols); NaN is on b's side
+            sides = _group_planes(planes, layout, size, rows, cols)  # (2, matrices, rows, cols)
             torch.sum(sides, dim=2, dtype=torch.int32, out=counts.view(2, columns)[:, placed].view(2, -1, cols))
             torch.sum(torch.where(sides, M.unsqueeze(0), plan.zero), dim=2,
                       out=means.view(2, columns)[:, placed].view(2, -1, cols))
             at = placed.stop
+        del planes
         if groups:
             means.div_(counts.clamp_(min=1))
         gathered = yield AllGather((means, _bucket_signs(p)))
@@ -527,6 +529,16 @@ class OneBit(GatheredCompressor):
 
 #: Per bucket layout, 1-bit SGD's columns (see :func:`_columns`), built once.
 _COLUMNS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _group_planes(planes: torch.Tensor, layout, size, rows: int, cols: int) -> torch.Tensor:
+    """The matrices of one group (``size``'s members, rows x cols each) in both of the (2, n) bucket's
+    ``planes``, as (2, members, rows, cols): a view where they lie at equal distances, else stacked."""
+    one = strided_at(planes[0], [layout.offsets[i] for i in size.members], (size.numel,))
+    if one is None:
+        return torch.stack([layout.rows(plane, size) for plane in planes]).view(2, -1, rows, cols)
+    return planes.as_strided((2, one.shape[0], rows, cols), (planes.stride(0), one.stride(0), cols, 1),
+                             one.storage_offset())
 
 
 def _columns(layout) -> tuple:
@@ -564,7 +576,7 @@ class _ColumnIndex:
     def __init__(self, layout, first_column: dict, columns: int):
         device = layout.device
         self.zero = torch.zeros((), device=device)  # what torch.where writes where a side does not hold
-        self.sides = torch.tensor([True, False], device=device).view(2, 1, 1, 1)  # a_j's side, then b_j's
+        self.sides = torch.tensor([True, False], device=device).view(2, 1)  # a_j's side, then b_j's
         self.numel, self.dtype = layout.numel, torch.int32 if columns < 2**31 else torch.int64
         changes_at, changes, jumps_at, jumps = [], [], [], []
         step, previous = 0, 0  # the step inside the tensor before, and the last element's column
