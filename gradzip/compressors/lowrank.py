@@ -194,17 +194,27 @@ class PowerSGD(Compressor):
         pieces = torch.split(p, layout.numels)
         Ms = [layout.stacked(p, members).view(-1, n, m) for n, m, r, members in classes]
         Qs = self._bucket_bases(b, classes)
-        Ps = [torch.bmm(M, Q) for M, Q in zip(Ms, Qs)]
-        dense_part = torch.cat([pieces[i] for i in dense]).div_(N) if dense else p.new_empty(0)
-        total = yield AllReduce(torch.cat([P.reshape(-1) for P in Ps] + [dense_part]))
-        sums = torch.split(total, [P.numel() for P in Ps] + [dense_part.numel()])
+        # every M Q, then the dense tensors' x / N, each written where it lies in what is allreduced
+        sizes = [len(members) * n * r for n, m, r, members in classes] + [sum(layout.numels[i] for i in dense)]
+        first = p.new_empty(sum(sizes))
+        parts = torch.split(first, sizes)
+        Ps = [torch.bmm(M, Q, out=part.view(-1, n, r)) for M, Q, part, (n, m, r, _) in zip(Ms, Qs, parts, classes)]
+        if dense:
+            torch.cat([pieces[i] for i in dense], out=parts[-1]).div_(N)
+        total = yield AllReduce(first)
+        sums = torch.split(total, sizes)
         Ps = _orthogonalized_together([S.view_as(P) for S, P in zip(sums, Ps)], self.epsilon)
-        Qts = [torch.bmm(P.transpose(1, 2), M) for P, M in zip(Ps, Ms)]  # Q_i^T = (M^T P)^T
         Qbar_ts = []
         if classes:  # (none before dense_steps)
-            total = (yield AllReduce(torch.cat([Qt.reshape(-1) for Qt in Qts]))) / N
-            Qbar_ts = [S.view_as(Qt) for S, Qt in zip(torch.split(total, [Qt.numel() for Qt in Qts]), Qts)]
+            sizes = [len(members) * m * r for n, m, r, members in classes]
+            own = p.new_empty(sum(sizes))
+            Qts = [torch.bmm(P.transpose(1, 2), M, out=part.view(-1, r, m))  # Q_i^T = (M^T P)^T
+                   for P, M, part, (n, m, r, _) in zip(Ps, Ms, torch.split(own, sizes), classes)]
+            total = (yield AllReduce(own)) / N
+            Qbar_ts = [S.view_as(Qt) for S, Qt in zip(torch.split(total, sizes), Qts)]
             b.set("Q", self._in_key_order(layout, classes, [Q.transpose(1, 2) for Q in Qbar_ts]))
+        else:
+            Qts = []
         aggregate = torch.empty(layout.numel, device=p.device)
         _fill(aggregate, layout, classes, dense, [torch.bmm(P, Qb) for P, Qb in zip(Ps, Qbar_ts)], sums[-1])
 
