@@ -1600,8 +1600,3 @@ class AdaptiveThreshold(Compressor):
 def _counting(n: int, device: torch.device) -> torch.Tensor:
     """0, 1, ..., n - 1 (int64) on ``device``, made once per length (read only)."""
     return torch.arange(n, device=device)
-
-
-def _joined(parts: list) -> torch.Tensor:
-    """``parts`` end to end along their first dimension: the one part itself where there is one (no copy)."""
-    return parts[0] if len(parts) == 1 else torch.cat(parts)

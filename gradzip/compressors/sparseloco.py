@@ -11,7 +11,7 @@ import torch
 from ..bits import index_dtype, pack_bits, packed_nbytes, unpack_bits
 from .base import AllGather, Compressor, Exchanged, TensorContext, times_scale, unscale_, workspace, zeroed
 from .registry import register
-from .sparse import _check_int, _check_number, _joined
+from .sparse import _check_int, _check_number
 
 
 @register
@@ -258,16 +258,20 @@ class _ChunkPlan:
         indices, int64) of the flat bucket ``e``."""
         if not self.kept:
             return self.empty, self.empty.to(torch.uint8), self.empty.long()
-        values, local = [], []
-        if self.full_starts is not None:  # each full chunk's row copied out (one gather), |e| taken in place
+        # both blocks' rows, the full chunks' then the short ones', written where they lie in one
+        # (rows, columns) block of values and one of indices
+        full = 0 if self.full_starts is None else self.full_starts.numel()
+        short = 0 if self.short_positions is None else self.pad.shape[0]
+        values = torch.empty(full + short, self.columns, dtype=e.dtype, device=e.device)
+        local = torch.empty(full + short, self.columns, dtype=torch.int64, device=e.device)
+        if full:  # each full chunk's row copied out (one gather), |e| taken in place
             rows = e.unfold(0, self.chunk, 1).index_select(0, self.full_starts.view(-1))
-            local.append(torch.topk(rows.abs_(), self.columns, dim=1, sorted=False).indices)
-            values.append(e.index_select(0, (local[0] + self.full_starts).view(-1)).view(local[0].shape))
-        if self.short_positions is not None:
+            torch.topk(rows.abs_(), self.columns, dim=1, sorted=False, out=(values[:full], local[:full]))
+            torch.index_select(e, 0, local[:full].add(self.full_starts).view(-1), out=values[:full].view(-1))
+        if short:
             rows = e.index_select(0, self.short_positions).view(self.pad.shape)  # a pad: a copy of its row's first
-            local.append(torch.topk(rows.abs().masked_fill_(self.pad, -1.0), self.columns, dim=1).indices)
-            values.append(rows.gather(1, local[-1]))  # sorted: its first k are a row's k largest, pads after
-        values, local = _joined(values), _joined(local)
+            torch.topk(rows.abs().masked_fill_(self.pad, -1.0), self.columns, dim=1, out=(values[full:], local[full:]))
+            torch.gather(rows, 1, local[full:], out=values[full:])  # sorted: its first k are a row's k largest, pads after
         levels, codes = SparseLoCo.encode_values(values, self.k, self.unkept)
         if self.keep is None:
             return levels, codes, local.view(-1)
