@@ -106,10 +106,10 @@ class SparseLoCo(Compressor):
             large = magnitude > magnitude.sum(dim=1, keepdim=True) / max(k, 1)
         else:
             large = magnitude.masked_fill_(unkept, 0.0) > magnitude.sum(dim=1, keepdim=True) / k.clamp(min=1).view(-1, 1)
-        sides = _sides(values.device)
-        grouped = large.unsqueeze(1) == sides[0]  # (rows, 2, k): [small, large]
+        is_large, zero = _sides(values.device)
+        grouped = large.unsqueeze(1) == is_large  # (rows, 2, k): [small, large]
         # A selection, not magnitude * grouped: inf * 0 would be NaN.
-        sums = torch.where(grouped, magnitude.unsqueeze(1), sides[1]).sum(dim=2)
+        sums = torch.where(grouped, magnitude.unsqueeze(1), zero).sum(dim=2)
         sizes = grouped.sum(dim=2)
         if unkept is not None:  # an unkept entry is in no group, though its magnitude (0) is small
             torch.sub(k, sizes[:, 1], out=sizes[:, 0])
@@ -311,7 +311,8 @@ _PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 @functools.lru_cache(maxsize=8)
 def _sides(device: torch.device) -> tuple:
-    """(the groups [small, large] as a (2, 1) bool, a float32 0) on ``device``, made once (read only)."""
+    """(whether each group [small, large] is the large one, a (2, 1) bool; a float32 0) on ``device``,
+    made once (read only)."""
     return torch.tensor([[False], [True]], device=device), torch.zeros((), device=device)
 
 
