@@ -1405,8 +1405,8 @@ class _AdaptivePlan:
     per class ``both_sides``, its members' places among (k+ of every tensor, then k-), and
     ``both_starts``, their starts in the bucket then those plus n (P's marks, then M's, in one flat
     mask); ``all_sides``, every class's ``both_sides`` end to end, and ``class_rows``, each class's
-    (start, stop) in it; ``ends``, where each tensor ends (int64: a position's tensor is how many end at
-    or before it); ``zero``, a float32 0."""
+    (start, stop) in it; ``ends``, where each tensor but the last ends (int64: a position's tensor is how
+    many end at or before it, the padding position n the last tensor's); ``zero``, a float32 0."""
 
     def __init__(self, layout):
         device, members = layout.device, [size.members for size in layout.classes]
@@ -1420,7 +1420,8 @@ class _AdaptivePlan:
         self.all_sides = torch.cat(self.both_sides) if members else torch.empty(0, dtype=torch.int64, device=device)
         bounds = list(itertools.accumulate((2 * len(m) for m in members), initial=0))
         self.class_rows = list(zip(bounds, bounds[1:]))
-        self.ends = torch.tensor([o + n for o, n in zip(layout.offsets, layout.numels)], dtype=torch.int64, device=device)
+        self.ends = torch.tensor([o + n for o, n in zip(layout.offsets, layout.numels)][:-1], dtype=torch.int64,
+                                 device=device)
         self.zero = torch.zeros((), device=device)
 
 
@@ -1536,7 +1537,7 @@ class AdaptiveThreshold(Compressor):
             at = as_index(at)
             # Each position's tensor (padding, n: the last), then its side's mean: mu- of tensor i is
             # mu[T + i].  P and M are disjoint, so one sum of both is exchange()'s two in turn.
-            tensor = torch.searchsorted(plan.ends, at, right=True).clamp_(max=tensors - 1)
+            tensor = torch.searchsorted(plan.ends, at, right=True)
             tensor[plus:].add_(tensors)
             decoded = mu.index_select(0, tensor)
             total.index_add_(0, at, decoded)
