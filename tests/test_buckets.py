@@ -118,13 +118,16 @@ def test_bucket_route_equals_the_per_tensor_route(name, params, dtype):
     assert bucketed.steps == reference.steps
 
 
-#: Three matrices of one shape at unequal distances: a size class no strided view holds (stacked instead).
-UNEVEN_SHAPES = [(8, 40), (40,), (8, 40), (3,), (8, 40), (5, 8)]
+#: Layouts the bucket's own shapes never make: three matrices of one shape at unequal distances (a size
+#: class no strided view holds: stacked instead), one tensor alone, a bucket ending in empty tensors.
+ODD_LAYOUTS = {"unequal-distances": [(8, 40), (40,), (8, 40), (3,), (8, 40), (5, 8)], "one-tensor": [(8, 40)],
+               "ending-empty": [(5,), (8, 40), (0,), (0,)]}
 
 
+@pytest.mark.parametrize("layout", list(ODD_LAYOUTS))
 @pytest.mark.parametrize("name, params", CASES, ids=IDS)
-def test_a_size_class_at_unequal_distances_equals_the_per_tensor_route(name, params, monkeypatch):
-    monkeypatch.setattr(sys.modules[__name__], "SHAPES", UNEVEN_SHAPES)
+def test_odd_layouts_equal_the_per_tensor_route(name, params, layout, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "SHAPES", ODD_LAYOUTS[layout])
     test_bucket_route_equals_the_per_tensor_route(name, params, torch.float32)
 
 
