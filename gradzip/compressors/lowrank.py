@@ -388,9 +388,9 @@ def _orthogonalize_(a: torch.Tensor, epsilon: float) -> torch.Tensor:
     for i in range(a.shape[2]):
         col = a[:, :, i:i + 1]
         col /= torch.linalg.vector_norm(col, dim=1, keepdim=True) + epsilon
-        if i + 1 < a.shape[2]:  # the last column has nothing after it: three dispatches saved
+        if i + 1 < a.shape[2]:  # the last column has nothing after it: two dispatches saved
             rest = a[:, :, i + 1:]
-            rest -= col * torch.bmm(col.transpose(1, 2), rest)
+            rest.baddbmm_(col, torch.bmm(col.transpose(1, 2), rest), alpha=-1)  # rest - col (col^T rest)
     return a
 
 
