@@ -131,6 +131,14 @@ def test_odd_layouts_equal_the_per_tensor_route(name, params, layout, monkeypatc
     test_bucket_route_equals_the_per_tensor_route(name, params, torch.float32)
 
 
+@pytest.mark.parametrize("layout", list(ODD_LAYOUTS))
+@pytest.mark.parametrize("name, params", CASES, ids=IDS)
+def test_odd_layouts_keep_ranks_bit_identical(name, params, layout, monkeypatch):
+    """Ranks whose counts differ pad what they send (the data-sized methods): on these layouts too."""
+    monkeypatch.setattr(sys.modules[__name__], "SHAPES", ODD_LAYOUTS[layout])
+    test_ranks_agree_bit_for_bit_and_average(name, params)
+
+
 @pytest.mark.parametrize("name, params", [("topk", {"ratio": 0.01}), ("threshold", {"tau": 2.0}),
                                           ("adaptive_threshold", {"ratio": 0.01})], ids=["topk", "threshold", "adaptive"])
 def test_a_bucket_past_16_bit_positions_equals_the_per_tensor_route(name, params, monkeypatch):
