@@ -24,7 +24,7 @@ import torch
 from .. import devices, kernels
 from .base import StagedContext, _stable_hash
 
-__all__ = ["BucketLayout", "BucketContext", "SizeClass", "strided_at", "segment_of", "pack_signs", "unpack_signs", "signed_", "bits_of",
+__all__ = ["BucketLayout", "BucketContext", "SizeClass", "ClassTopK", "strided_at", "segment_of", "pack_signs", "unpack_signs", "signed_", "bits_of",
            "plus_minus_one"]
 
 #: Most elements one block of :meth:`BucketLayout.reduce`'s first level reduces: 64 KiB of float32, so a
@@ -40,6 +40,33 @@ class SizeClass:
     numel: int
     members: tuple
     starts: torch.Tensor
+
+
+class ClassTopK:
+    """Where in a bucket each tensor's k largest values lie, k fixed per size class: one ``topk`` per
+    class, each written where its (members, k) block lies in one buffer for all classes, then every
+    tensor's start added at once (not an add per class and a join of them).
+
+    ``classes``: (SizeClass, k) pairs, in the order the positions come out (a class with k = 0 selects
+    nothing); built once per layout by its owner."""
+
+    def __init__(self, classes: Iterable[tuple], device: torch.device):
+        self.classes = tuple((size, k) for size, k in classes if k)
+        self.ends = list(itertools.accumulate((len(size.members) * k for size, k in self.classes), initial=0))
+        self.starts = (torch.cat([size.starts.view(-1, 1).expand(-1, k).reshape(-1) for size, k in self.classes])
+                       if self.classes else torch.empty(0, dtype=torch.int64, device=device))
+
+    def __call__(self, rows: Callable[[SizeClass], torch.Tensor]) -> torch.Tensor:
+        """The int64 positions in the bucket of the k largest of each class's ``rows(size)`` (members x
+        numel), class by class, each tensor's k after the one before."""
+        at = torch.empty(self.ends[-1], dtype=torch.int64, device=self.starts.device)
+        values = None  # topk's values, unread: one buffer of the rows' dtype for every class
+        for (size, k), lo, hi in zip(self.classes, self.ends, self.ends[1:]):
+            r = rows(size)
+            if values is None:
+                values = torch.empty(at.numel(), dtype=r.dtype, device=r.device)
+            torch.topk(r, k, dim=1, sorted=False, out=(values[lo:hi].view(-1, k), at[lo:hi].view(-1, k)))
+        return at.add_(self.starts)
 
 
 class BucketLayout:

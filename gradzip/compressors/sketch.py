@@ -1,7 +1,6 @@
 """Count sketches: a fixed-size linear summary of the gradient, summed by one allreduce."""
 from __future__ import annotations
 
-import itertools
 import math
 import weakref
 from typing import Optional
@@ -10,6 +9,7 @@ import torch
 
 from .. import kernels
 from .base import AllReduce, Compressor, Exchanged, TensorContext, _stable_hash, check_ratio, workspace, zeroed
+from .bucket import ClassTopK
 from .registry import register
 from .sparse import top_k
 
@@ -198,7 +198,7 @@ class Sketch(Compressor):
             total = yield AllReduce(torch.cat([sketch, dense_values / world if world > 1 else dense_values]))
         del sketch
         magnitude = self._magnitudes(p, total[:rows * plan.sum_cols], plan, seeds)
-        at = plan.chosen(layout, magnitude)
+        at = plan.top(lambda size: layout.rows(magnitude, size))
         del magnitude
         mine = p.index_select(0, at)
         values = yield AllReduce(mine)
@@ -343,10 +343,7 @@ class _SketchPlan:
         self.key_hashes = torch.tensor([_stable_hash(key + "/sketch") for key in layout.keys], dtype=torch.int64,
                                        device=device)
         self.classes = [(size, ks[size.members[0]]) for size in layout.classes if compressed[size.members[0]]]
-        # the chosen positions, each class's (members, k) block end to end, and each one's tensor's start
-        self.chosen_ends = list(itertools.accumulate((len(size.members) * k for size, k in self.classes), initial=0))
-        self.chosen_starts = (torch.cat([size.starts.view(-1, 1).expand(-1, k).reshape(-1) for size, k in self.classes])
-                              if self.classes else torch.empty(0, dtype=torch.int64, device=device))
+        self.top = ClassTopK(self.classes, device)  # each compressed tensor's k largest estimates
         self._folded: dict = {}
         dense = [torch.arange(o, o + n, device=device) for o, n, yes in zip(layout.offsets, numels, compressed)
                  if not yes and n]
@@ -361,16 +358,6 @@ class _SketchPlan:
         if seed not in self._folded:
             self._folded[seed] = keys_folded(seed, self.key_hashes)
         return self._folded[seed]
-
-    def chosen(self, layout, magnitude: torch.Tensor) -> torch.Tensor:
-        """The bucket's positions (int64) of each compressed tensor's k largest ``magnitude``: one topk
-        per size class, written where its block lies, then every tensor's start added at once."""
-        at = torch.empty(self.chosen_ends[-1], dtype=torch.int64, device=magnitude.device)
-        values = torch.empty(at.numel(), dtype=magnitude.dtype, device=magnitude.device)
-        for (size, k), lo, hi in zip(self.classes, self.chosen_ends, self.chosen_ends[1:]):
-            torch.topk(layout.rows(magnitude, size), k, dim=1, sorted=False,
-                       out=(values[lo:hi].view(-1, k), at[lo:hi].view(-1, k)))
-        return at.add_(self.chosen_starts)
 
     def draws(self, seeds: torch.Tensor, start: int, stop: int) -> tuple:
         """:func:`_draws_of` the elements of the piece [start, stop) of the bucket."""

@@ -22,7 +22,7 @@ from ..bits import as_index, index_dtype
 from .base import AllGather, AllReduce, Compressor, Exchanged, GatheredCompressor, TensorContext, check_ratio
 from .base import value_dtype as _parse_value_dtype
 from .base import compare, count_true, wire_cast, workspace, zeroed
-from .bucket import PIECE, segment_of
+from .bucket import PIECE, ClassTopK, segment_of
 from .registry import register
 
 
@@ -201,14 +201,9 @@ class TopK(Sparsifier):
         stacked tensors of each size.  Wire: the bucket's K selected values and their positions in
         the bucket, or, where those would take more bytes, its n values, zero where not selected."""
         layout, vdtype = b.layout, self._vdtype or b.layout.dtype
-        positions, absp = [], p.abs()  # |p| once for the bucket, and the values read once at the end
-        for size in layout.classes:
-            k = math.ceil(self.ratio * size.numel)
-            if k:
-                idx = layout.rows(absp, size).topk(k, dim=1, sorted=False).indices
-                positions.append(idx.add_(size.starts.view(-1, 1)).view(-1))
+        absp = p.abs()  # |p| once for the bucket, and the values read once at the end
+        position = _ratio_top(layout, self.ratio)(lambda size: layout.rows(absp, size))
         del absp
-        position = torch.cat(positions) if positions else torch.empty(0, dtype=torch.int64, device=p.device)
         value = wire_cast(p.index_select(0, position), vdtype, self.saturates)
         dense = self._bucket_dense(layout, position.numel())
         if dense:
@@ -568,15 +563,13 @@ class RandomK(SharedSparsifier):
         bucket's K values, no index."""
         layout, vdtype = b.layout, self._vdtype or b.layout.dtype
         pre = b.world_size if vdtype.itemsize == 2 else 1
-        positions, factors = [], []
         keys = b.hashes(layout.numel, shared=True, salt="randomk")  # one draw: a class each its slice
-        for size, rows in zip(layout.classes, keys.split([len(s.members) * s.numel for s in layout.classes])):
-            k = math.ceil(self.ratio * size.numel)
-            positions.append(rows.view(-1, size.numel).topk(k, dim=1, sorted=False).indices
-                             .add_(size.starts.view(-1, 1)).view(-1))
-            factors.append(((size.numel / k if self.unbiased else 1.0) / pre, len(size.members) * k))
+        rows = {size.members: part.view(-1, size.numel)
+                for size, part in zip(layout.classes, keys.split([len(s.members) * s.numel for s in layout.classes]))}
+        idx = _ratio_top(layout, self.ratio)(lambda size: rows[size.members])
         keys = rows = None  # a bucket's worth of draws (rows views it), not to be held across the allreduce
-        idx = torch.cat(positions) if positions else torch.empty(0, dtype=torch.int64, device=p.device)
+        factors = [((size.numel / k if self.unbiased else 1.0) / pre, len(size.members) * k)
+                   for size, k in ((size, math.ceil(self.ratio * size.numel)) for size in layout.classes)]
         values = p.index_select(0, idx)  # the bucket's values at once; each class's factor, if any, after
         if any(factor != 1 for factor, _ in factors):
             cached = self.__dict__.setdefault("_bucket_factors", {})
@@ -1086,7 +1079,7 @@ class _DGCPlan(_SamplePlan):
     sample's min(r 2^j, s)-th largest value once sorted, r = ceil(density s), for a sample of s = W
     (full) or W - 1 (short).  ``enough``: per retry and tensor, ceil(lower_bound k) (float64), -inf at
     the last retry (taken when none before passed enough).  ``k``: per tensor, ceil(density n) (float64).
-    ``classes``: (members, k, starts as a column) of each size class with a compressed tensor.
+    ``top``: the exact top k, k = ceil(density n), of each size class with a compressed tensor.
     ``true``: a 0-d True to write with.
     """
 
@@ -1101,20 +1094,24 @@ class _DGCPlan(_SamplePlan):
                                            for ranks in (self.ranks_short, self.ranks_full))
         enough = [[float(math.ceil(lower_bound * k))] * retries + [-math.inf] for k in ks]
         self.enough, self.k = self._device(enough, torch.float64).T.contiguous(), self._device(ks, torch.float64)
-        self.classes = [(size.members, math.ceil(density * size.numel), size.starts.view(-1, 1))
-                        for size in layout.classes
-                        if any(_compressed(layout.shapes[i], min_numel) for i in size.members)]
+        self.top = ClassTopK([(size, math.ceil(density * size.numel)) for size in layout.classes
+                              if any(_compressed(layout.shapes[i], min_numel) for i in size.members)], layout.device)
         self.true = torch.ones((), dtype=torch.bool, device=layout.device)
-        # the classes' top k positions, each class's (members, k) block end to end: where each block
-        # ends, and each position's tensor's start
-        self.top_ends = list(itertools.accumulate((len(members) * k for members, k, _ in self.classes), initial=0))
-        self.top_starts = (torch.cat([starts.expand(-1, k).reshape(-1) for _, k, starts in self.classes])
-                           if self.classes else torch.empty(0, dtype=torch.int64, device=layout.device))
 
 
 #: Per bucket layout: DGC's plans by (stride, min_numel, density, lower_bound, retries), gradient
-#: dropping's by ("dropping", stride, drop_ratio).
+#: dropping's by ("dropping", stride, drop_ratio), Top-k's and Random-k's size classes by ("top", ratio).
 _PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _ratio_top(layout, ratio: float) -> ClassTopK:
+    """Top-k's and Random-k's :class:`ClassTopK`: k = ceil(ratio n) per size class, built once per layout
+    and ratio."""
+    cached = _PLANS.setdefault(layout, {})
+    key = ("top", ratio)
+    if key not in cached:
+        cached[key] = ClassTopK([(size, math.ceil(ratio * size.numel)) for size in layout.classes], layout.device)
+    return cached[key]
 
 
 def _dropping_plan(layout, stride: int, drop_ratio: float) -> _SamplePlan:
@@ -1229,12 +1226,7 @@ def _class_top_k(absp: torch.Tensor, layout, plan: _DGCPlan) -> torch.Tensor:
     """Each compressed tensor's k largest of ``absp`` as a bool over the bucket: one ``topk`` over the
     stacked rows of each size class (with a compressed member; the others' rows are left False)."""
     top = torch.zeros(layout.numel, dtype=torch.bool, device=absp.device)
-    at = torch.empty(plan.top_ends[-1], dtype=torch.int64, device=absp.device)
-    values = torch.empty(at.numel(), dtype=absp.dtype, device=absp.device)
-    for (members, k, _), lo, hi in zip(plan.classes, plan.top_ends, plan.top_ends[1:]):  # each where its block lies
-        torch.topk(layout.stacked(absp, members), k, dim=1, sorted=False, out=(values[lo:hi].view(-1, k),
-                                                                                at[lo:hi].view(-1, k)))
-    return top.index_put_((at.add_(plan.top_starts),), plan.true)
+    return top.index_put_((plan.top(lambda size: layout.rows(absp, size)),), plan.true)
 
 
 
