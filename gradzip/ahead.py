@@ -411,10 +411,9 @@ def _check(package: Package, fn: Callable, static: dict, args: tuple, name: str,
     tolerance for a kernel whose sums run in no fixed order (not ``ordered``)."""
     mine = tuple(a.clone() for a in args)
     got, want = _outputs(package(*mine)), _outputs(fn(*args, **static))
-    for a, b in [*zip(got, want), *zip(mine, args)]:
-        if len(got) != len(want) or not _same(a, b, ordered):
-            raise RuntimeError(f"{name}'s compiled package differs from its eager code at sizes "
-                               f"{[tuple(t.shape) for t in args]}")
+    if len(got) != len(want) or not all(_same(a, b, ordered) for a, b in [*zip(got, want), *zip(mine, args)]):
+        raise RuntimeError(f"{name}'s compiled package differs from its eager code at sizes "
+                           f"{[tuple(t.shape) for t in args]}")
 
 
 def _outputs(result) -> tuple:
