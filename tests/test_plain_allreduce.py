@@ -23,13 +23,15 @@ def _train(rank, method, *, plain: bool, direct: bool = False, steps: int = 5, p
     gradients after the exchange."""
     model = small_model()
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.004)
-    if direct:
+    if direct or not plain:
         state = gradzip.GradzipState(method, **params)
+        if not plain:
+            state.param_names = {p: name for name, p in model.named_parameters()}
+            state.transport  # connected now, which names its dense group: none then, so that the hook
+            state.dense_group = None  # submits every bucket to gradzip's thread
         ddp.register_comm_hook(state, gradzip.ddp_comm_hook)
     else:
         state = gradzip.register(ddp, method, **params)
-    if not plain:
-        state.dense_group = None  # the hook then submits every bucket to gradzip's thread
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     grads = []
     for step in range(steps):
@@ -57,7 +59,7 @@ def compare_paths(rank, world, method, params):
     return plain, own, direct
 
 
-@pytest.mark.parametrize("method", ["fp16", "bf16", "none"])
+@pytest.mark.parametrize("method", ["fp16", "bf16"])
 def test_plain_path_equals_gradzips_exchange_bit_for_bit(method):
     results = run_workers(compare_paths, 2, method, {})
     for plain, own, direct in results:
@@ -79,9 +81,64 @@ def test_plain_path_equals_gradzips_exchange_bit_for_bit(method):
         for key in ("payload_bytes", "dense_bytes", "elements_sent"):
             assert plain[1][key] == own[1][key], key
         assert plain[1]["wire_bytes"] == plain[1]["payload_bytes"] < own[1]["wire_bytes"]
-        if method != "none":
-            assert 2 * plain[1]["wire_bytes"] == plain[1]["dense_bytes"]
+        assert 2 * plain[1]["wire_bytes"] == plain[1]["dense_bytes"]
     assert torch.equal(results[0][0][0], results[1][0][0])  # ranks agree
+
+
+def none_left_to_ddp(rank, world):
+    """``none`` through register() (DDP's own allreduce), gradzip's own exchange, and DDP alone; then
+    which steps register()'s state counts: synced backward steps only."""
+    plain = _train(rank, "none", plain=True)
+    own = _train(rank, "none", plain=False)
+    model = small_model()
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.004)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(5):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+    alone = _flat(model)
+
+    ddp = nn.parallel.DistributedDataParallel(small_model(), bucket_cap_mb=0.004)
+    state = gradzip.register(ddp, "none")
+    hooks = list(ddp._comm_hooks)
+    x, y = batch(rank, 0)
+    nn.functional.cross_entropy(ddp(x), y).backward()  # counted
+    with ddp.no_sync():
+        nn.functional.cross_entropy(ddp(x), y).backward()  # accumulated, not exchanged
+    with torch.no_grad():
+        ddp(x)
+    ddp(x)  # never backpropagated: DDP reduces nothing
+    out = ddp(x)
+    nn.functional.cross_entropy(out, y).backward(retain_graph=True)  # counted once, however many
+    out.sum().backward()  # ... outputs or backward passes reach it: DDP reduced once
+    counted = state.stats()
+    try:
+        gradzip.register(ddp, "topk")
+        again = None
+    except ValueError as e:
+        again = str(e)
+    state.close()
+    return plain, own, alone, hooks, counted, again
+
+
+def test_none_leaves_ddps_own_allreduce_and_counts_what_it_sends():
+    results = run_workers(none_left_to_ddp, 2)
+    for plain, own, alone, hooks, counted, again in results:
+        assert hooks == []  # no Python hook: DDP's C++ allreduce
+        assert torch.equal(plain[0], alone) and torch.equal(own[0], alone)
+        elements = sum(p.numel() for p in small_model().parameters())
+        # One plain allreduce a step of every gradient (one dtype), 4 bytes an element.
+        assert plain[1]["exchanges"] == plain[1]["plain_allreduces"] == plain[1]["collectives"] == 5
+        assert plain[1]["payload_bytes"] == plain[1]["wire_bytes"] == plain[1]["dense_bytes"] == 5 * 4 * elements
+        assert plain[1]["elements"] == plain[1]["elements_sent"] == 5 * elements
+        assert plain[1]["steps"] == own[1]["steps"] and set(plain[1]["steps"].values()) == {5}
+        assert [(b["tensors"], b["elements"], b["exchanges"], b["plain"]) for b in plain[1]["buckets"]] == [
+            (len(plain[1]["steps"]), elements, 5, 5)]
+        assert counted["exchanges"] == 2 and counted["wire_bytes"] == 2 * 4 * elements
+        assert again.startswith("gradzip.register() was already called on this DDP model")
+    assert torch.equal(results[0][0][0], results[1][0][0])
 
 
 def test_half_casts_with_error_feedback_keep_gradzips_exchange():
