@@ -6,6 +6,8 @@ on every rank.
 """
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -85,6 +87,17 @@ def test_plain_path_equals_gradzips_exchange_bit_for_bit(method):
     assert torch.equal(results[0][0][0], results[1][0][0])  # ranks agree
 
 
+class _Opaque(nn.Module):
+    """A model whose output is an object DDP does not look into."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):
+        return types.SimpleNamespace(logits=self.net(x))
+
+
 def none_left_to_ddp(rank, world):
     """``none`` through register() (DDP's own allreduce), gradzip's own exchange, and DDP alone; then
     which steps register()'s state counts: synced backward steps only."""
@@ -114,6 +127,11 @@ def none_left_to_ddp(rank, world):
     nn.functional.cross_entropy(out, y).backward(retain_graph=True)  # counted once, however many
     out.sum().backward()  # ... outputs or backward passes reach it: DDP reduced once
     counted = state.stats()
+    opaque = nn.parallel.DistributedDataParallel(_Opaque(small_model()))
+    opaque_state = gradzip.register(opaque, "none")
+    for _ in range(2):
+        nn.functional.cross_entropy(opaque(x).logits, y).backward()
+    counted["opaque"] = opaque_state.stats()["exchanges"]
     try:
         gradzip.register(ddp, "topk")
         again = None
@@ -137,6 +155,7 @@ def test_none_leaves_ddps_own_allreduce_and_counts_what_it_sends():
         assert [(b["tensors"], b["elements"], b["exchanges"], b["plain"]) for b in plain[1]["buckets"]] == [
             (len(plain[1]["steps"]), elements, 5, 5)]
         assert counted["exchanges"] == 2 and counted["wire_bytes"] == 2 * 4 * elements
+        assert counted["opaque"] == 2  # counted at its forwards
         assert again.startswith("gradzip.register() was already called on this DDP model")
     assert torch.equal(results[0][0][0], results[1][0][0])
 

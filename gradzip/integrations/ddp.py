@@ -116,10 +116,11 @@ class _DDPAllreduceCount:
 
     def __init__(self, state: GradzipState, params: list):
         self.state = state
-        self.by_dtype = {}
+        by_dtype = {}
         for p in params:
-            keys, elements = self.by_dtype.get(p.dtype, ((), 0))
-            self.by_dtype[p.dtype] = (keys + (state.param_names[p],), elements + p.numel())
+            by_dtype.setdefault(p.dtype, []).append(p)
+        self.by_dtype = {dtype: (tuple(state.param_names[p] for p in ps), sum(p.numel() for p in ps))
+                         for dtype, ps in by_dtype.items()}
         self.pending = None
 
     def after_forward(self, ddp_model, inputs, output):
@@ -130,13 +131,19 @@ class _DDPAllreduceCount:
         def reached(grad):  # on backward's thread, before any bucket is reduced
             if self.pending is token:
                 self.pending = None
-                for dtype, (keys, elements) in self.by_dtype.items():
-                    self.state.record_plain(keys, elements, dtype.itemsize, dtype)
-                    self.state.record_bucket_of(keys, elements, exchanges=1, plain=1)
+                self.count()
 
-        for tensor in _find_tensors(output):
-            if tensor.grad_fn is not None:
+        found = _find_tensors(output)
+        for tensor in found:
+            if tensor.requires_grad:
                 tensor.register_hook(reached)
+        if not found:  # an output DDP cannot look into either (not a tensor, list, tuple, dict or
+            self.count()  # dataclass): counted at its forward, where DDP prepared the reduction
+
+    def count(self):
+        for dtype, (keys, elements) in self.by_dtype.items():
+            self.state.record_plain(keys, elements, dtype.itemsize, dtype)
+            self.state.record_bucket_of(keys, elements, exchanges=1, plain=1)
 
 
 def _saved_state(resume, rank: int) -> dict:
