@@ -37,9 +37,11 @@ step_rc=0; start=$SECONDS
 # start-up, NCCL, model, steps, profiler), 35-45 s for a method whose kernels compile ahead into a cold
 # cache (2026-11-27), so the quick check takes the baselines and a few methods, and STEP_METHODS=all
 # (26 contenders, 8-15 minutes) needs a run of its own.
-# torch-allreduce beside none: PyTorch's plain Python hook, so that a run tells the Python hook's own
-# cost from gradzip's (none took 1.38x and 1.48x DDP in two runs of docs/results/gpu.md, torch-allreduce 1.03x in one).
-STEP_METHODS=${STEP_METHODS:-ddp,torch-allreduce,torch-fp16,torch-bf16,torch-powersgd,none,fp16,bf16,topk,qsgd,efsignsgd,powersgd,dgc}
+# torch-allreduce and the two probes beside DDP: where a Python hook's own cost goes (DDP's C++ hook
+# path, then a Python hook doing nothing, then PyTorch's plain allreduce hook); none now leaves DDP's own
+# allreduce in place (it took 1.38x and 1.48x DDP through a hook in two runs of docs/results/gpu.md,
+# torch-allreduce 1.03x in one).
+STEP_METHODS=${STEP_METHODS:-ddp,probe-cpp-hook,probe-python-hook,torch-allreduce,torch-fp16,torch-bf16,torch-powersgd,none,fp16,bf16,topk,qsgd,efsignsgd,powersgd,dgc}
 [ "$STEP_METHODS" = all ] && STEP_METHODS=
 
 # Kernels compiled ahead, once per machine: each contender's first steps in processes side by side (up
@@ -51,7 +53,7 @@ if [ "$WARM_JOBS" -gt 0 ]; then
   warm_start=$SECONDS
   echo "== warming the cache of kernels compiled ahead ($WARM_JOBS at once) =="
   methods=${STEP_METHODS:-$("$PYTHON" -c 'import gradzip; print(",".join(gradzip.compressors()))')}
-  echo "$methods" | tr ',' '\n' | grep -v -E '^(ddp|torch-.*)$' \
+  echo "$methods" | tr ',' '\n' | grep -v -E '^(ddp|torch-.*|probe-.*)$' \
     | timeout "$WARM_TIMEOUT" xargs -P "$WARM_JOBS" -I{} "$PYTHON" -m gradzip bench step --device cuda --methods {} \
         --steps 1 --warmup 1 --profile-steps 1 --no-isolate > "$OUT_DIR/warm.log" 2>&1 || true
   echo "warm-up: $((SECONDS - warm_start)) s (its output: warm.log)"

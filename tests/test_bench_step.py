@@ -19,11 +19,11 @@ TINY = dict(device="cpu", width=32, depth=1, context=16, batch=2, vocab=64, step
 def test_every_row_measured_and_json_written(tmp_path):
     out = tmp_path / "step.json"
     lines = []
-    result = step.main(["ddp", "torch-fp16", "none", "topk", "fp16"], json_out=str(out), echo=lines.append,
-                       isolate=False, **TINY)
+    names = ["ddp", "probe-cpp-hook", "probe-python-hook", "torch-fp16", "none", "topk", "fp16"]
+    result = step.main(names, json_out=str(out), echo=lines.append, isolate=False, **TINY)
     assert not dist.is_initialized()  # the command's own one-process group is gone again
     rows = {r["method"]: r for r in result["rows"]}
-    assert list(rows) == ["ddp", "torch-fp16", "none", "topk", "fp16"]
+    assert list(rows) == names
     for name, r in rows.items():
         assert "error" not in r, (name, r.get("error"))
         for key in ("ms", "min_ms", "first_ms", "x_ddp"):
@@ -34,8 +34,11 @@ def test_every_row_measured_and_json_written(tmp_path):
     assert rows["topk"]["x_fp16"] == pytest.approx(rows["topk"]["ms"] / rows["torch-fp16"]["ms"])
     assert {r["pid"] for r in result["runs"]} == {os.getpid()}  # in process
     assert result["config"]["isolate"] is False and rows["topk"]["repeats"] == 1
-    # Top-k selects and scatters: more operations per step than plain DDP's allreduce.
-    assert rows["topk"]["aten_ops"] > rows["ddp"]["aten_ops"]
+    # Top-k selects and scatters: more operations per step than plain DDP's allreduce; none is DDP's own.
+    assert rows["topk"]["aten_ops"] > rows["ddp"]["aten_ops"] == rows["none"]["aten_ops"]
+    # The probes: DDP's C++ hook allreduces, the Python probe runs no collective at all.
+    assert rows["probe-cpp-hook"]["note"] == "C++ allreduce hook" and rows["probe-python-hook"]["note"] == "no collective"
+    assert rows["probe-python-hook"]["aten_ops"] < rows["ddp"]["aten_ops"]
     saved = json.loads(out.read_text())
     assert saved["rows"] == result["rows"]
     assert saved["env"]["torch"] and saved["env"]["world_size"] == 1 and saved["env"]["command"]

@@ -8,6 +8,11 @@ below), from the same seed:
 - PyTorch's own hooks (``torch.distributed.algorithms.ddp_comm_hooks``): ``torch-allreduce``,
   ``torch-fp16``, ``torch-bf16``, ``torch-powersgd`` (rank 4, compressing from the third step on:
   ``start_powerSGD_iter=2``, the least PyTorch accepts with error feedback, which is on);
+- two probes of a hook's own cost, run only when named: ``probe-cpp-hook`` (DDP's built-in C++
+  allreduce hook: the reducer's hook path, no Python) and ``probe-python-hook`` (a Python hook that
+  returns a future already done with the bucket as it is: the Python call and its future, no
+  collective; world size 1 only).  Between ``ddp``, them and ``torch-allreduce`` lies where a Python
+  hook's cost goes;
 - every gradzip method, ``gradzip.register(ddp_model, name)`` with :data:`BENCH_PARAMS` (DGC and
   PowerSGD compress from the first step).  Methods that apply momentum themselves (DGC, Signum)
   refuse AdamW and get plain SGD instead (the row says so).
@@ -75,9 +80,10 @@ from ..harness.data import DatasetInfo
 from ..harness.models import GPT
 from .kernels import BENCH_PARAMS, machine, report
 
-__all__ = ["BASELINES", "defaults", "run", "format_table", "main"]
+__all__ = ["BASELINES", "PROBES", "defaults", "run", "format_table", "main"]
 
 BASELINES = ("ddp", "torch-allreduce", "torch-fp16", "torch-bf16", "torch-powersgd")
+PROBES = ("probe-cpp-hook", "probe-python-hook")
 
 #: Defaults per device: a 109M-parameter GPT on a GPU (13 buckets of 25 MB), a 0.4M one on a CPU.
 DEFAULTS = {
@@ -132,6 +138,14 @@ def _attach(name: str, ddp: DDP):
     if name in hooks:
         ddp.register_comm_hook(None, hooks[name])
         return None, ""
+    if name == "probe-cpp-hook":
+        ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
+        return None, "C++ allreduce hook"
+    if name == "probe-python-hook":
+        if dist.get_world_size() > 1:
+            raise ValueError("probe-python-hook averages nothing: it runs at world size 1 only")
+        ddp.register_comm_hook(None, _done_hook)
+        return None, "no collective"
     if name == "torch-powersgd":
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2)
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
@@ -139,6 +153,13 @@ def _attach(name: str, ddp: DDP):
     params = dict(BENCH_PARAMS.get(name, {}))
     note = ",".join(f"{k}={v}" for k, v in params.items())
     return gradzip.register(ddp, name, **params), note
+
+
+def _done_hook(state, bucket):  # unannotated: DDP refuses an annotation that is a string (this module's)
+    """A Python communication hook at its least: the bucket as it is, in a future already done."""
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
 
 
 def _count(events, all_threads: bool, steps: int) -> dict:
@@ -351,8 +372,8 @@ def run(methods: Optional[Sequence[str]] = None, *, device: Optional[str] = None
             torch.cuda.set_device(dev)
     cfg = _checked_config(dev.type, options, profile_steps, memory_snapshot)
     cfg.update(seed=seed, bucket_mb=bucket_mb, profile_steps=profile_steps)
-    valid = list(BASELINES) + gradzip.compressors()
-    names = list(methods) if methods else valid
+    valid = list(BASELINES) + list(PROBES) + gradzip.compressors()
+    names = list(methods) if methods else [m for m in valid if m not in PROBES]
     bad = [m for m in names if m not in valid]
     if bad:
         raise ValueError(f"unknown method(s) {', '.join(bad)}; valid: {', '.join(valid)}")
