@@ -36,11 +36,12 @@ class Transport:
     def allreduce(self, flat: torch.Tensor, op: str) -> torch.Tensor:
         raise NotImplementedError
 
-    def allgather(self, flat: torch.Tensor) -> list[torch.Tensor]:
+    def allgather(self, flat: torch.Tensor) -> Sequence[torch.Tensor]:
+        """Every rank's ``flat``, in rank order: a list, or one tensor whose rows are the ranks'."""
         raise NotImplementedError
 
-    def allgather_into(self, flat: torch.Tensor, out: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Every rank's ``flat``, in rank order, in ``out`` (tensors like ``flat``) where the transport
+    def allgather_into(self, flat: torch.Tensor, out: torch.Tensor) -> Sequence[torch.Tensor]:
+        """:meth:`allgather` into ``out`` (world size rows like ``flat``, one tensor) where the transport
         can receive into given memory; by default the same as :meth:`allgather`."""
         return self.allgather(flat)
 
@@ -49,7 +50,7 @@ class Transport:
         padded to the longest.  For checkpoints, not for steps."""
         device = self.device
         length = torch.tensor([len(data)], dtype=torch.int64, device=device)
-        lengths = [int(n) for n in torch.cat(self.allgather(length)).tolist()]
+        lengths = [int(n) for n in torch.cat(list(self.allgather(length))).tolist()]
         padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
         padded[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
         return [bytes(t[:n].cpu().numpy()) for t, n in zip(self.allgather(padded), lengths)]
@@ -67,7 +68,7 @@ class LocalTransport(Transport):
         return flat
 
     def allgather(self, flat):
-        return [flat]
+        return flat.view(1, *flat.shape)  # one rank: its own flat, as the one row of a gathered tensor
 
 
 class ProcessGroupTransport(Transport):
@@ -85,10 +86,12 @@ class ProcessGroupTransport(Transport):
         return flat
 
     def allgather(self, flat):
-        return self.allgather_into(flat, [torch.empty_like(flat) for _ in range(self.world_size)])
+        return self.allgather_into(flat, flat.new_empty((self.world_size, *flat.shape)))
 
     def allgather_into(self, flat, out):
-        dist.all_gather(out, flat, group=self.group)
+        # Into one tensor: gathering into a list of tensors, the backend gathers into a flat buffer of
+        # its own and then copies each rank's part out (on NCCL a kernel per rank).
+        _all_gather_single(out.view(-1), flat.reshape(-1), group=self.group)  # gloo takes only the flat form
         return out
 
     @property
@@ -135,6 +138,10 @@ class _ThreadTransport(Transport):
 
     def allgather(self, flat):
         return self._exchange(flat)
+
+
+#: One collective into one tensor (torch 2.13 names it ``all_gather_single``; before, ``all_gather_into_tensor``).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def transport_for(group: Optional[dist.ProcessGroup] = None) -> Transport:
@@ -298,10 +305,16 @@ class _Phase:
             buf = torch.cat(mine, out=self._buffer("allgather", longest, torch.uint8, device)) if mine \
                 else torch.empty(0, dtype=torch.uint8, device=device)
             self.report.wire_bytes += _nbytes(buf)
-            outs = [self._buffer(f"allgather{r}", longest, torch.uint8, device) for r in range(self.t.world_size)]
-            gathered = self._timed(self.t.allgather, buf) if outs[0] is None else self._timed(self.t.allgather_into, buf, outs)
+            out = self._buffer("allgathered", world * longest, torch.uint8, device)
+            gathered = (self._timed(self.t.allgather, buf) if out is None else
+                        self._timed(self.t.allgather_into, buf, out.view(world, longest)))
             if flag is not None and self.device_flag:
-                flag_out = torch.stack([g[sum(row)] for g, row in zip(gathered, size_rows)]).amax().view(torch.bool)
+                at = {sum(row) for row in size_rows}
+                if isinstance(gathered, torch.Tensor) and len(at) == 1:  # every rank's flag in one column
+                    flags = gathered[:, at.pop()]
+                else:
+                    flags = torch.stack([g[sum(row)] for g, row in zip(gathered, size_rows)])
+                flag_out = flags.amax().view(torch.bool)
             elif flag is not None:
                 flag_out = any(bool(g[sum(row)] > 0) for g, row in zip(gathered, size_rows))
         else:
