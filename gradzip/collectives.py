@@ -196,6 +196,22 @@ def _from_bytes(chunk: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 #: Bytes at whose multiples a field of a gathered buffer is viewed rather than copied (see _from_bytes).
 _ALIGNED = 16
 
+_ZERO_BYTES: dict = {}
+
+
+def _zero_bytes(n: int, device: torch.device) -> torch.Tensor:
+    """``n`` zero bytes on ``device`` (read only): a slice of a buffer kept per thread (so that it is
+    read on the stream that zeroed it), grown when too short, so that padding costs no operation of its
+    own."""
+    key = (device, threading.get_ident())
+    zeros = _ZERO_BYTES.get(key)
+    if zeros is None or zeros.numel() < n:
+        if len(_ZERO_BYTES) >= 64:  # threads come and go with their states; bounded all the same
+            _ZERO_BYTES.clear()
+        zeros = _ZERO_BYTES[key] = torch.zeros(max(n, 2 * (0 if zeros is None else zeros.numel()), 64),
+                                               dtype=torch.uint8, device=device)
+    return zeros[:n]
+
 
 class _Phase:
     """Fuses one phase's requests, runs the collectives, hands each generator its result.
@@ -292,6 +308,8 @@ class _Phase:
             size_rows = [row.tolist() for row in self._timed(self.t.allgather, header)]
         extra = 1 if flag is not None else 0
         longest = max(sum(row) for row in size_rows) + extra
+        if world > 1:  # every rank's row, and so its first field, starts on a 16-byte boundary: a view
+            longest = -(-longest // _ALIGNED) * _ALIGNED
         mine = [_as_bytes(f) for f in fields]
         if flag is not None:
             # a device bool is its own byte (0 or 1): viewed, not converted
@@ -299,7 +317,7 @@ class _Phase:
                          else flag.to(dtype=torch.uint8, device=device)).reshape(1))
         pad = longest - sum(sizes) - extra
         if pad:
-            mine.append(torch.zeros(pad, dtype=torch.uint8, device=device))
+            mine.append(_zero_bytes(pad, device))
         flag_out = None
         if longest > 0:
             buf = torch.cat(mine, out=self._buffer("allgather", longest, torch.uint8, device)) if mine \

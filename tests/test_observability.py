@@ -59,7 +59,9 @@ def plain_methods(rank, world):
         ddp, state = _train_ddp(rank, method, STEPS, **params)
         sizes = [p.numel() for p in ddp.module.parameters()]
         out[method] = {"describe": state.describe(), "text": state.describe(as_text=True), "stats": state.stats(),
-                       "bucket_stats": state.bucket_stats(), "sizes": sizes}
+                       "bucket_stats": state.bucket_stats(), "sizes": sizes,
+                       "named_sizes": {name: p.numel() for name, p in ddp.module.named_parameters()},
+                       "exchanged": [(keys, record["exchanges"]) for keys, record in state._bucket_records()]}
         try:
             gradzip.register(ddp, "topk")
         except ValueError as exc:
@@ -101,10 +103,14 @@ def test_bits_per_element_is_exact(plain):
         assert fp16["bits_per_element"] == 16.0 and fp16["density"] == 1.0
         topk, sizes = out["topk"]["stats"], out["topk"]["sizes"]
         # Each exchange allgathers the ceil(1% n) kept elements of each tensor as 4-byte values and indices
-        # of the smallest integer type that addresses n, plus the one-byte non-finite flag.
+        # of the smallest integer type that addresses n, plus the one-byte non-finite flag, each rank's
+        # row padded to 16 bytes (2 ranks: so that every rank's row starts where a field can be viewed).
         kept = sum(math.ceil(0.01 * n) for n in sizes)
-        payload = sum(math.ceil(0.01 * n) * (4 + index_dtype(n).itemsize) for n in sizes)
-        wire = STEPS * payload + topk["exchanges"]
+        sent = lambda n: math.ceil(0.01 * n) * (4 + index_dtype(n).itemsize)  # noqa: E731
+        payload = sum(sent(n) for n in sizes)
+        named = out["topk"]["named_sizes"]
+        wire = sum(count * -(-(sum(sent(named[k]) for k in keys) + 1) // 16) * 16 for keys, count in out["topk"]["exchanged"])
+        assert topk["payload_bytes"] == STEPS * payload and topk["exchanges"] == sum(c for _, c in out["topk"]["exchanged"])
         assert topk["bytes_sent"] == wire
         assert topk["bits_per_element"] == 8 * wire / (STEPS * sum(sizes))
         assert topk["density"] == kept / sum(sizes)
