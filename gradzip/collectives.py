@@ -80,6 +80,7 @@ class ProcessGroupTransport(Transport):
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        self.gloo = dist.get_backend(group) == "gloo"
 
     def allreduce(self, flat, op):
         dist.all_reduce(flat, op=self._OPS[op], group=self.group)
@@ -89,9 +90,10 @@ class ProcessGroupTransport(Transport):
         return self.allgather_into(flat, flat.new_empty((self.world_size, *flat.shape)))
 
     def allgather_into(self, flat, out):
-        # Into one tensor: gathering into a list of tensors, the backend gathers into a flat buffer of
-        # its own and then copies each rank's part out (on NCCL a kernel per rank).
-        _all_gather_single(out.view(-1), flat.reshape(-1), group=self.group)  # gloo takes only the flat form
+        if self.gloo:  # gloo copies each rank's part either way, and takes
+            dist.all_gather(list(out.unbind(0)), flat, group=self.group)  # one tensor only in newer torch
+        else:  # into a list, NCCL gathers into a flat buffer of its own and copies each rank's part out:
+            _all_gather_single(out.view(-1), flat.reshape(-1), group=self.group)  # a kernel per rank
         return out
 
     @property

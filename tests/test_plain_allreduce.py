@@ -98,6 +98,18 @@ class _Opaque(nn.Module):
         return types.SimpleNamespace(logits=self.net(x))
 
 
+class _WithLeaf(nn.Module):
+    """A model that returns one of its parameters as it is, beside its logits."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        return {"logits": self.net(x), "scale": self.scale}
+
+
 def none_left_to_ddp(rank, world):
     """``none`` through register() (DDP's own allreduce), gradzip's own exchange, and DDP alone; then
     which steps register()'s state counts: synced backward steps only."""
@@ -132,6 +144,13 @@ def none_left_to_ddp(rank, world):
     for _ in range(2):
         nn.functional.cross_entropy(opaque(x).logits, y).backward()
     counted["opaque"] = opaque_state.stats()["exchanges"]
+    with_leaf = nn.parallel.DistributedDataParallel(_WithLeaf(small_model()))
+    leaf_state = gradzip.register(with_leaf, "none")
+    for _ in range(3):
+        out = with_leaf(x)
+        nn.functional.cross_entropy(out["logits"] * out["scale"], y).backward()
+    counted["with_leaf"] = leaf_state.stats()["exchanges"]
+    counted["hooks_on_leaf"] = len(with_leaf.module.scale._backward_hooks or {})
     try:
         gradzip.register(ddp, "topk")
         again = None
@@ -142,10 +161,11 @@ def none_left_to_ddp(rank, world):
 
 
 def test_none_leaves_ddps_own_allreduce_and_counts_what_it_sends():
-    results = run_workers(none_left_to_ddp, 2)
+    results = run_workers(none_left_to_ddp, 3)  # 3 ranks: DDP's x * (1/3) is not gradzip's x / 3 in every bit
     for plain, own, alone, hooks, counted, again in results:
         assert hooks == []  # no Python hook: DDP's C++ allreduce
-        assert torch.equal(plain[0], alone) and torch.equal(own[0], alone)
+        assert torch.equal(plain[0], alone)  # DDP's own bits
+        assert torch.allclose(own[0], alone, rtol=1e-5, atol=1e-7)  # gradzip's exchange: the same average
         elements = sum(p.numel() for p in small_model().parameters())
         # One plain allreduce a step of every gradient (one dtype), 4 bytes an element.
         assert plain[1]["exchanges"] == plain[1]["plain_allreduces"] == plain[1]["collectives"] == 5
@@ -156,6 +176,7 @@ def test_none_leaves_ddps_own_allreduce_and_counts_what_it_sends():
             (len(plain[1]["steps"]), elements, 5, 5)]
         assert counted["exchanges"] == 2 and counted["wire_bytes"] == 2 * 4 * elements
         assert counted["opaque"] == 2  # counted at its forwards
+        assert counted["with_leaf"] == 3 and counted["hooks_on_leaf"] == 0  # no hook left on a parameter
         assert again.startswith("gradzip.register() was already called on this DDP model")
     assert torch.equal(results[0][0][0], results[1][0][0])
 

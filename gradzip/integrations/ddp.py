@@ -1,11 +1,13 @@
 """DistributedDataParallel integration: a communication hook.
 
-Two ways to install it, with the same numerics:
+Two ways to install it, with the same numerics (but for ``none``, see below):
 
     state = gradzip.register(ddp_model, "powersgd", rank=2)
     ddp_model.register_comm_hook(gradzip.GradzipState("topk", ratio=0.01), gradzip.ddp_comm_hook)
 
-With ``none`` the first installs no hook: DDP's own allreduce is that exchange, and the state counts it.
+With ``none`` the first installs no hook: DDP's own allreduce is that exchange (DDP's bits, which for N
+ranks not a power of two differ from the hook's division by N in the last bit of some elements), and
+the state counts it.
 The second is what frameworks that take a ``(state, hook)`` pair use (Lightning's
 ``DDPStrategy(ddp_comm_state=..., ddp_comm_hook=...)``).  The hook hands each bucket's gradients (layer by
 layer, so methods that need a layer's shape get it) to the state's communication thread and returns a
@@ -96,10 +98,12 @@ def _reduced_by_ddp_itself(state: GradzipState, ddp_model: DistributedDataParall
 
     A Python communication hook costs a step even when it only calls ``allreduce``: on an H100,
     PyTorch's own ``allreduce_hook`` took 1.5x DDP's step on a 101M-parameter GPT at world size 1,
-    gradzip's ``none`` 1.38x.  Left to DDP, ``none`` is DDP."""
+    gradzip's ``none`` 1.38x.  Left to DDP, ``none`` is DDP, bit for bit: DDP multiplies each gradient
+    by 1/N where gradzip's exchange divides by N (the same bits for N a power of two, the last bit of
+    some elements otherwise)."""
     params = getattr(ddp_model, "_module_parameters", None)
     if (state.dense_group is None or params is None or getattr(ddp_model, "_use_python_reducer", False)
-            or getattr(ddp_model, "_delay_all_reduce_all_params", False)):
+            or getattr(ddp_model, "_delay_all_reduce_params", None)):  # reduced after backward, by DDP's own hook
         return None
     params = [p for p in params if p.requires_grad]
     if not params or any(state.always_plain_dtype(p.dtype) != p.dtype for p in params):
@@ -133,12 +137,13 @@ class _DDPAllreduceCount:
                 self.pending = None
                 self.count()
 
-        found = _find_tensors(output)
-        for tensor in found:
-            if tensor.requires_grad:
-                tensor.register_hook(reached)
-        if not found:  # an output DDP cannot look into either (not a tensor, list, tuple, dict or
-            self.count()  # dataclass): counted at its forward, where DDP prepared the reduction
+        # Only outputs that backward passes through and then lets go of: a hook on a leaf (a parameter
+        # returned as it is) would stay on it for good, one more every step.
+        reached_by_backward = [t for t in _find_tensors(output) if t.grad_fn is not None]
+        for tensor in reached_by_backward:
+            tensor.register_hook(reached)
+        if not reached_by_backward:  # nothing to hook (opaque objects, leaves): counted at its forward,
+            self.count()  # where DDP prepared the reduction
 
     def count(self):
         for dtype, (keys, elements) in self.by_dtype.items():
