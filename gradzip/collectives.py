@@ -13,6 +13,7 @@ Safety rules this layer guarantees:
 """
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from dataclasses import dataclass, field
@@ -198,21 +199,12 @@ def _from_bytes(chunk: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 #: Bytes at whose multiples a field of a gathered buffer is viewed rather than copied (see _from_bytes).
 _ALIGNED = 16
 
-_ZERO_BYTES: dict = {}
-
-
-def _zero_bytes(n: int, device: torch.device) -> torch.Tensor:
-    """``n`` zero bytes on ``device`` (read only): a slice of a buffer kept per thread (so that it is
-    read on the stream that zeroed it), grown when too short, so that padding costs no operation of its
-    own."""
-    key = (device, threading.get_ident())
-    zeros = _ZERO_BYTES.get(key)
-    if zeros is None or zeros.numel() < n:
-        if len(_ZERO_BYTES) >= 64:  # threads come and go with their states; bounded all the same
-            _ZERO_BYTES.clear()
-        zeros = _ZERO_BYTES[key] = torch.zeros(max(n, 2 * (0 if zeros is None else zeros.numel()), 64),
-                                               dtype=torch.uint8, device=device)
-    return zeros[:n]
+@functools.lru_cache(maxsize=8)
+def _alignment_zeros(device: torch.device) -> torch.Tensor:
+    """:data:`_ALIGNED` zero bytes on ``device``, made once (read only): what pads a gathered row to a
+    16-byte boundary without an operation of its own (padding is never read, so no stream need wait
+    for it)."""
+    return torch.zeros(_ALIGNED, dtype=torch.uint8, device=device)
 
 
 class _Phase:
@@ -319,7 +311,8 @@ class _Phase:
                          else flag.to(dtype=torch.uint8, device=device)).reshape(1))
         pad = longest - sum(sizes) - extra
         if pad:
-            mine.append(_zero_bytes(pad, device))
+            mine.append(_alignment_zeros(device)[:pad] if pad < _ALIGNED else
+                        torch.zeros(pad, dtype=torch.uint8, device=device))  # uneven payloads' padding
         flag_out = None
         if longest > 0:
             buf = torch.cat(mine, out=self._buffer("allgather", longest, torch.uint8, device)) if mine \
