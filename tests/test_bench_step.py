@@ -100,6 +100,38 @@ def test_bad_options_are_refused(kwargs, message):
         step.run(["ddp"], **{**TINY, **kwargs})
 
 
+@pytest.mark.parametrize("names, message", [(["torch-fp16:rank=4"], "only gradzip's methods take parameters"),
+                                            (["powersgd:nosuch=1"], "unknown parameter"),
+                                            (["powersgd:rank"], "expected NAME:KEY=VALUE"),
+                                            (["ddp", "topk", "ddp"], "named twice")])
+def test_bad_contenders_are_refused_before_any_run(names, message):
+    with pytest.raises(ValueError, match=message):
+        step.run(names, **TINY)
+
+
+def test_methods_with_parameters_of_their_own(tmp_path):
+    """``NAME:KEY=VALUE,...`` contenders through the command line: split from the list with their own
+    commas, over BENCH_PARAMS, the spec naming the row; gradzip PowerSGD rows against torch-powersgd's."""
+    assert step.split_methods("ddp, powersgd:rank=4,dense_steps=2 ,topk,,qsgd:levels=4") == [
+        "ddp", "powersgd:rank=4,dense_steps=2", "topk", "qsgd:levels=4"]
+    out = tmp_path / "specs.json"
+    ok = CliRunner().invoke(app, ["bench", "step", "--device", "cpu", "--width", "32", "--depth", "1", "--context",
+                                  "16", "--steps", "1", "--warmup", "2", "--no-isolate", "--json", str(out),
+                                  "--methods", "torch-powersgd,powersgd,powersgd:rank=1,dense_steps=1,topk"])
+    assert ok.exit_code == 0, ok.output
+    rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["torch-powersgd", "powersgd", "powersgd:rank=1,dense_steps=1", "topk"]
+    assert rows["powersgd"]["note"] == "dense_steps=0"  # BENCH_PARAMS alone
+    one = rows["powersgd:rank=1,dense_steps=1"]
+    assert one["note"] == "dense_steps=1,rank=1"
+    # the parameters reached the method: a rank-1 basis needs no Gram-Schmidt step between columns
+    assert one["aten_ops"] < rows["powersgd"]["aten_ops"]
+    for name in ("powersgd", "powersgd:rank=1,dense_steps=1"):
+        assert rows[name]["x_torch_powersgd"] == pytest.approx(rows[name]["ms"] / rows["torch-powersgd"]["ms"])
+    assert "x_torch_powersgd" not in rows["topk"] and "x_torch_powersgd" not in rows["torch-powersgd"]
+    assert ok.output.count("x torch-powersgd") == 2, ok.output  # in the notes of both PowerSGD rows
+
+
 def test_isolated_and_repeated(tmp_path):
     """Each contender in a child process of its own, the list run twice in turn: medians, spread, ratios."""
     out = tmp_path / "iso.json"

@@ -55,7 +55,8 @@ def step(
     amp: Optional[str] = typer.Option(None, help="bf16 | none (default bf16 on cuda, none on cpu)"),
     profile_steps: int = typer.Option(2, help="steps under torch.profiler for the per-step counts"),
     methods: Optional[str] = typer.Option(None, help="comma-separated: ddp, torch-allreduce, torch-fp16, torch-bf16, "
-                                                     "torch-powersgd and gradzip methods (default: all)"),
+                                                     "torch-powersgd and gradzip methods, each optionally "
+                                                     "NAME:KEY=VALUE,... (default: all)"),
     seed: int = 0,
     repeats: int = typer.Option(1, help="run the whole contender list this many times in turn; medians, spread"),
     isolate: Optional[bool] = typer.Option(None, "--isolate/--no-isolate",
@@ -67,12 +68,12 @@ def step(
 ):
     """ms per DDP training step, x DDP, first step, peak memory, kernel launches and host syncs of DDP,
     PyTorch's hooks and every gradzip method (under torchrun: every rank runs, rank 0 prints)."""
-    from .step import main
+    from .step import main, split_methods
 
     if model != "gpt":
         typer.echo(f"error: --model must be 'gpt', got {model!r}", err=True)
         raise typer.Exit(2)
-    names = [m.strip() for m in methods.split(",") if m.strip()] if methods else None
+    names = split_methods(methods) if methods else None
     try:
         main(names, device=device, width=width, depth=depth, context=context, batch=batch, vocab=vocab, steps=steps,
              warmup=warmup, amp=amp, bucket_mb=bucket_mb, profile_steps=profile_steps, seed=seed,

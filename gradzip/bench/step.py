@@ -14,8 +14,11 @@ below), from the same seed:
   collective; world size 1 only).  Between ``ddp``, them and ``torch-allreduce`` lies where a Python
   hook's cost goes;
 - every gradzip method, ``gradzip.register(ddp_model, name)`` with :data:`BENCH_PARAMS` (DGC and
-  PowerSGD compress from the first step).  Methods that apply momentum themselves (DGC, Signum)
-  refuse AdamW and get plain SGD instead (the row says so).
+  PowerSGD compress from the first step), or a method with parameters of its own as ``NAME:KEY=VALUE,...``
+  (``powersgd:rank=4``: PyTorch's hook's rank; they override :data:`BENCH_PARAMS`, and the spec names
+  its row).  Methods that apply momentum themselves (DGC, Signum) refuse AdamW and get plain SGD
+  instead (the row says so).  A gradzip PowerSGD row also gives its ratio to ``torch-powersgd`` of the
+  same repeat (``x_torch_powersgd``), whose rank the note names.
 
 Per contender: ``first_ms``, the first step alone (DDP's first step builds buckets, a hook allocates
 its state, CUDA loads kernels); then ``warmup`` untimed steps; then, where the bucket route's kernels
@@ -76,6 +79,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradzip
 from .. import kernels
+from ..compressors.registry import parse_spec
 from ..harness.data import DatasetInfo
 from ..harness.models import GPT
 from .kernels import BENCH_PARAMS, machine, report
@@ -93,6 +97,27 @@ DEFAULTS = {
 LAUNCH_PREFIXES = ("cudaLaunchKernel", "cuLaunchKernel")
 SYNC_NAMES = frozenset({"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy"})
 READ_NAMES = frozenset({"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select"})
+
+
+def split_methods(text: str) -> list:
+    """A comma-separated list of contenders, where a method's own parameters are comma-separated too:
+    an item with ``=`` and no ``:`` before it continues the spec before it (``"ddp,powersgd:rank=4,
+    dense_steps=2,topk"`` -> ``["ddp", "powersgd:rank=4,dense_steps=2", "topk"]``)."""
+    names: list = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        if names and ":" in names[-1] and "=" in item and ":" not in item.partition("=")[0]:
+            names[-1] += "," + item
+        else:
+            names.append(item)
+    return names
+
+
+def _spec(name: str) -> tuple:
+    """(method, parameters) of gradzip contender ``name``: :data:`BENCH_PARAMS` updated by its own."""
+    method, own = parse_spec(name)
+    return method, {**BENCH_PARAMS.get(method, {}), **own}
 
 
 def defaults(device: str) -> dict:
@@ -150,9 +175,9 @@ def _attach(name: str, ddp: DDP):
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2)
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         return None, "rank 4"
-    params = dict(BENCH_PARAMS.get(name, {}))
+    method, params = _spec(name)
     note = ",".join(f"{k}={v}" for k, v in params.items())
-    return gradzip.register(ddp, name, **params), note
+    return gradzip.register(ddp, method, **params), note
 
 
 def _done_hook(state, bucket):  # unannotated: DDP refuses an annotation that is a string (this module's)
@@ -301,7 +326,7 @@ def _aggregate(runs: list, names: Sequence[str]) -> list:
     def baseline(name):
         return {r["repeat"]: r["ms"] for r in runs if r["method"] == name and "ms" in r}
 
-    dense, fp16 = baseline("ddp"), baseline("torch-fp16")
+    dense, fp16, powersgd = baseline("ddp"), baseline("torch-fp16"), baseline("torch-powersgd")
     rows = []
     for name in names:
         mine = [r for r in runs if r["method"] == name]
@@ -318,12 +343,14 @@ def _aggregate(runs: list, names: Sequence[str]) -> list:
         ms = [r["ms"] for r in mine]
         peaks = [r["peak_mb"] for r in mine]
         x_ddp, x_fp16 = _ratios(mine, dense), _ratios(mine, fp16)
+        x_powersgd = _ratios(mine, powersgd) if name.partition(":")[0] == "powersgd" else []
         rows.append({"method": name, "ms": statistics.median(ms), "min_ms": min(r["min_ms"] for r in mine),
                      "first_ms": median("first_ms"), "compile_wait_ms": median("compile_wait_ms"), "peak_mb": None if None in peaks else max(peaks),
                      "note": mine[0]["note"], **{k: median(k) for k in ("launches", "syncs", "aten_ops", "host_reads")},
                      "all_threads": all(r["all_threads"] for r in mine),
                      "x_ddp": statistics.median(x_ddp) if x_ddp else None,
                      "x_fp16": statistics.median(x_fp16) if x_fp16 else None,
+                     **({"x_torch_powersgd": statistics.median(x_powersgd)} if x_powersgd else {}),
                      "repeats": len(mine), "ms_lo": min(ms), "ms_hi": max(ms), "spread": max(ms) / min(ms) - 1})
     return rows
 
@@ -374,9 +401,16 @@ def run(methods: Optional[Sequence[str]] = None, *, device: Optional[str] = None
     cfg.update(seed=seed, bucket_mb=bucket_mb, profile_steps=profile_steps)
     valid = list(BASELINES) + list(PROBES) + gradzip.compressors()
     names = list(methods) if methods else [m for m in valid if m not in PROBES]
-    bad = [m for m in names if m not in valid]
+    bad = [m for m in names if m.partition(":")[0] not in valid]
     if bad:
         raise ValueError(f"unknown method(s) {', '.join(bad)}; valid: {', '.join(valid)}")
+    for name in names:
+        if ":" in name:
+            if name.partition(":")[0] not in gradzip.compressors():
+                raise ValueError(f"{name}: only gradzip's methods take parameters (NAME:KEY=VALUE,...)")
+            _spec(name)  # an unknown parameter or a bad value: refused now, not as a row
+    if len(set(names)) < len(names):
+        raise ValueError(f"a contender is named twice in {', '.join(names)}")
 
     def tell(name, repeat):
         if progress and (isolate or dist.get_rank() == 0):
@@ -472,6 +506,8 @@ def format_table(result: dict) -> str:
         line = (f"{r['method']:{w}s} {r['ms']:8.2f} {_spread(r)} {_fmt(r['x_ddp'], '6.2f')} "
                 f"{_fmt(r.get('x_fp16'), '6.2f')} {r['first_ms']:8.1f} {_fmt(r['peak_mb'], '7.0f')}")
         line += "".join(" " + _count_text(r[k], n) for k, n in count) + f" {_count_text(r['host_reads'], 5)}"
+        if r.get("x_torch_powersgd") is not None:
+            r = {**r, "note": "; ".join(filter(None, [r["note"], f"{r['x_torch_powersgd']:.2f}x torch-powersgd"]))}
         if len(line) + 2 + len(r["note"]) <= WIDTH:
             lines.append(f"{line}  {r['note']}".rstrip())
         else:  # a long note (DGC's parameters) on a line of its own, keeping the table in WIDTH columns
