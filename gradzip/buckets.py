@@ -124,7 +124,8 @@ class _Bucket:
                 self.flat.pop(name, None)
                 self.views.pop(name, None)
                 continue
-            parts = [c.reshape(-1).float() if c is not None and c.shape == w else
+            # a loaded value may lie elsewhere (a CPU map_location): it follows the bucket
+            parts = [c.reshape(-1).to(self.layout.device, torch.float32) if c is not None and c.shape == w else
                      torch.zeros(w.numel(), dtype=torch.float32, device=self.layout.device)
                      for c, w in zip(current, wanted) if w is not None]
             self._keep(name, torch.cat(parts), wanted, tensors)

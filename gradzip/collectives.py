@@ -81,9 +81,12 @@ class ProcessGroupTransport(Transport):
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self.gloo = dist.get_backend(group) == "gloo"
+        self.backends = backends_of(group)
+        #: The device of the last tensors exchanged: this rank's gradients' (see :attr:`device`).
+        self.exchanged_on: Optional[torch.device] = None
 
     def allreduce(self, flat, op):
+        self.exchanged_on = flat.device
         dist.all_reduce(flat, op=self._OPS[op], group=self.group)
         return flat
 
@@ -91,7 +94,8 @@ class ProcessGroupTransport(Transport):
         return self.allgather_into(flat, flat.new_empty((self.world_size, *flat.shape)))
 
     def allgather_into(self, flat, out):
-        if self.gloo:  # gloo copies each rank's part either way, and takes
+        self.exchanged_on = flat.device
+        if self.backends.get(flat.device.type) == "gloo":  # gloo copies each rank's part either way, and takes
             dist.all_gather(list(out.unbind(0)), flat, group=self.group)  # one tensor only in newer torch
         else:  # into a list, NCCL gathers into a flat buffer of its own and copies each rank's part out:
             _all_gather_single(out.view(-1), flat.reshape(-1), group=self.group)  # a kernel per rank
@@ -99,10 +103,32 @@ class ProcessGroupTransport(Transport):
 
     @property
     def device(self):
-        # NCCL takes CUDA tensors only; a group with a CPU backend (gloo) takes CPU ones.
-        if dist.get_backend(self.group) == "nccl":
+        """Where this rank's collectives outside a step (checkpoints) take their tensors: where its
+        exchanges' went, once there was one; before, the group's own device (``init_process_group(
+        device_id=...)``), else the current CUDA device where the group sends CUDA tensors by a GPU
+        backend (NCCL, alone or beside gloo), else the CPU.  Not the current device first: a rank that
+        put its model on its GPU without ``torch.cuda.set_device``, or gradzip's own thread, has GPU 0
+        current, and NCCL refuses two ranks of a machine on one GPU."""
+        if self.exchanged_on is not None:
+            return self.exchanged_on
+        bound = getattr(self.group or dist.group.WORLD, "bound_device_id", None)
+        if bound is not None and self.backends.get(bound.type, "gloo") != "gloo":
+            return bound
+        if self.backends.get("cuda", "gloo") != "gloo" and torch.cuda.is_available():
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
+
+
+def backends_of(group: Optional[dist.ProcessGroup] = None) -> dict:
+    """The backend that takes each device type's tensors in ``group``, e.g. {"cpu": "gloo", "cuda": "nccl"}:
+    a group made with no backend named has one per device type (``get_backend`` then says "undefined")."""
+    try:
+        config = str(dist.get_backend_config(group))
+    except AttributeError:  # a torch without backend configs: one backend for the group
+        config = str(dist.get_backend(group))
+    if ":" not in config:  # one name: NCCL takes CUDA tensors only, gloo both
+        return {"cuda": config} if config == "nccl" else {"cpu": config, "cuda": config}
+    return dict(item.split(":", 1) for item in config.split(","))
 
 
 class ThreadGroup:

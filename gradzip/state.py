@@ -279,9 +279,16 @@ class GradzipState:
 
     def context(self, key: str, grad: torch.Tensor, buffers: Optional[dict] = None, first_step: int = 0) -> TensorContext:
         """``first_step``: the step of a key that has none yet."""
+        slot = self.tensors.get(key, {})
+        if slot and not grad.is_meta and any(isinstance(v, torch.Tensor) and v.device != grad.device
+                                             for v in slot.values()):
+            # state loaded where no group said where gradients live (a CPU map_location, world size 1):
+            # it follows them, once
+            slot = self.tensors[key] = {n: v.to(grad.device) if isinstance(v, torch.Tensor) else v
+                                        for n, v in slot.items()}
         return TensorContext(key=key, shape=grad.shape, dtype=grad.dtype, step=self.steps.get(key, first_step),
                              epoch=self.epoch, rank=self.rank, world_size=self.world_size, seed=self.seed,
-                             state=self.tensors.get(key, {}), buffers=buffers)
+                             state=slot, buffers=buffers)
 
     def exchange(self, named_grads: Sequence[tuple[str, torch.Tensor]],
                  out: Optional[Sequence[torch.Tensor]] = None) -> list[torch.Tensor]:

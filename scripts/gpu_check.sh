@@ -15,7 +15,7 @@ set -euo pipefail
 OUT_DIR=${OUT:-/tmp/gradzip_gpu}
 # The bucket route's tests by name: a bare "bucket" also picks the GPT scripts' bucket_view feature, whose
 # torchrun plan runs every method (it took most of a 170 s budget on 2026-11-27).
-GPU_TESTS=${GPU_TESTS:-"sync_debug or bucket_route or bucket_draws or bucket_kernels"}
+GPU_TESTS=${GPU_TESTS:-"sync_debug or bucket_route or bucket_draws or bucket_kernels or state_loaded"}
 PYTHON=${PYTHON:-python}
 STEP_ARGS=${STEP_ARGS:-"--steps 15 --warmup 2 --profile-steps 1"}  # more options for bench step
 STEP_TIMEOUT=${STEP_TIMEOUT:-420}  # a method whose kernels compile ahead waits for them (tens of seconds each, once)
@@ -41,7 +41,8 @@ step_rc=0; start=$SECONDS
 # path, then a Python hook doing nothing, then PyTorch's plain allreduce hook); none now leaves DDP's own
 # allreduce in place (it took 1.38x and 1.48x DDP through a hook in two runs of docs/results/gpu.md,
 # torch-allreduce 1.03x in one).
-STEP_METHODS=${STEP_METHODS:-ddp,probe-cpp-hook,probe-python-hook,torch-allreduce,torch-fp16,torch-bf16,torch-powersgd,none,fp16,bf16,topk,qsgd,efsignsgd,powersgd,dgc}
+# powersgd:rank=4 beside powersgd (rank 2, gradzip's default): PyTorch's hook's rank, like for like.
+STEP_METHODS=${STEP_METHODS:-ddp,probe-cpp-hook,probe-python-hook,torch-allreduce,torch-fp16,torch-bf16,torch-powersgd,none,fp16,bf16,topk,qsgd,efsignsgd,powersgd,powersgd:rank=4,dgc}
 [ "$STEP_METHODS" = all ] && STEP_METHODS=
 
 # Kernels compiled ahead, once per machine: each contender's first steps in processes side by side (up
@@ -53,7 +54,9 @@ if [ "$WARM_JOBS" -gt 0 ]; then
   warm_start=$SECONDS
   echo "== warming the cache of kernels compiled ahead ($WARM_JOBS at once) =="
   methods=${STEP_METHODS:-$("$PYTHON" -c 'import gradzip; print(",".join(gradzip.compressors()))')}
-  echo "$methods" | tr ',' '\n' | grep -v -E '^(ddp|torch-.*|probe-.*)$' \
+  # split as the command does (a method's own parameters are comma-separated too)
+  "$PYTHON" -c 'import sys; from gradzip.bench.step import split_methods; print("\n".join(split_methods(sys.argv[1])))' \
+      "$methods" | grep -v -E '^(ddp|torch-.*|probe-.*)$' \
     | timeout "$WARM_TIMEOUT" xargs -P "$WARM_JOBS" -I{} "$PYTHON" -m gradzip bench step --device cuda --methods {} \
         --steps 1 --warmup 1 --profile-steps 1 --no-isolate > "$OUT_DIR/warm.log" 2>&1 || true
   echo "warm-up: $((SECONDS - warm_start)) s (its output: warm.log)"

@@ -124,3 +124,36 @@ def test_optimizer_state_dict_without_gradzip_state_warns_that_feedback_starts_f
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no feedback, nothing lost: no warning
         plain.load_state_dict(plain.optimizer.state_dict())
+
+
+@pytest.mark.parametrize("backend", [None, "gloo", "cpu:gloo"])
+def test_a_group_says_which_backend_takes_each_device(backend, tmp_path):
+    """A group made with no backend named (``get_backend`` says "undefined"; on a GPU machine gloo for CPU
+    tensors and NCCL for CUDA ones) or for some device types only: gradzip's transport asks which
+    backend takes a tensor's device, where checkpoints gather and where a loaded state goes."""
+    from gradzip.collectives import ProcessGroupTransport
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group(backend, store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        transport = ProcessGroupTransport()
+        cuda = torch.cuda.is_available() and dist.is_nccl_available()
+        want = {None: {"cpu": "gloo", **({"cuda": "nccl"} if cuda else {})}, "gloo": {"cpu": "gloo", "cuda": "gloo"},
+                "cpu:gloo": {"cpu": "gloo"}}[backend]
+        assert transport.backends == want
+        assert transport.device == torch.device("cuda", torch.cuda.current_device()) if backend is None and cuda \
+            else transport.device == torch.device("cpu")
+        assert transport.allgather_bytes(b"abc") == [b"abc"]  # a checkpoint's gather, on that device
+        flat = torch.arange(5.0)
+        assert torch.equal(transport.allgather_into(flat, torch.empty(1, 5)), flat.view(1, 5))
+        assert transport.exchanged_on == flat.device == transport.device  # from then on: the exchanges' device
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_torch_without_backend_configs_names_one_backend(monkeypatch):
+    from gradzip import collectives
+    monkeypatch.delattr(dist, "get_backend_config")
+    for name, want in (("nccl", {"cuda": "nccl"}), ("gloo", {"cpu": "gloo", "cuda": "gloo"})):
+        monkeypatch.setattr(dist, "get_backend", lambda group=None, name=name: name)
+        assert collectives.backends_of() == want

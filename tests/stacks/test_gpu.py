@@ -119,6 +119,35 @@ def test_bucket_exchange_sync_debug(name, params):
     assert all(torch.isfinite(g).all() for _, g in named)
 
 
+@pytest.mark.parametrize("bucketed", [True, False], ids=["bucket_route", "per_tensor_route"])
+@pytest.mark.parametrize("name, params", [("topk", {}), ("efsignsgd", {}), ("qsgd", {"feedback": "residual"}),
+                                          ("powersgd", {"dense_steps": 0}),
+                                          ("dgc", {"min_numel": 0, "warmup_epochs": 0, "ratio": 0.1})],
+                         ids=["topk", "efsignsgd", "qsgd", "powersgd", "dgc"])
+def test_state_loaded_on_cpu_continues_on_cuda(name, params, bucketed):
+    """A state_dict saved from CUDA and loaded with map_location="cpu" (as ``register(resume=...)`` loads
+    it) into a state no process group places (world size 1): its tensors follow the gradients to the GPU
+    at the next exchange, which continues bit for bit as the state that was never saved."""
+    import io
+
+    from gradzip.state import GradzipState
+    going = GradzipState(name, bucketed=bucketed, **params)
+    for step in range(2):
+        named = _cuda_bucket(step)
+        going.exchange(named, out=[g for _, g in named])
+    buffer = io.BytesIO()
+    torch.save(going.state_dict(), buffer)
+    buffer.seek(0)
+    resumed = GradzipState(name, bucketed=bucketed, **params)
+    resumed.load_state_dict(torch.load(buffer, map_location="cpu", weights_only=True))
+    for step in range(2, 4):
+        named, again = _cuda_bucket(step), _cuda_bucket(step)
+        going.exchange(named, out=[g for _, g in named])
+        resumed.exchange(again, out=[g for _, g in again])
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(named, again)), f"{name}: differs at step {step}"
+    assert all(v.is_cuda for slot in resumed.tensors.values() for v in slot.values() if isinstance(v, torch.Tensor))
+
+
 @pytest.mark.parametrize("name, params", [c for c in _bucketed_cases() if c[0] not in DATA_SIZED],
                          ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}={x}" for k, x in v.items()) or "default")
 def test_bucket_route_against_per_tensor_on_cuda(name, params):
