@@ -385,3 +385,29 @@ def test_state_dict_saves_loads_weights_only_and_resumes_bit_for_bit(ranks):
         assert r["plain_load_leaves_gradzip"]
         assert r["lr"] == pytest.approx(0.1 * 0.7**STEPS)
     assert torch.equal(a["whole"], b["whole"])
+
+
+def test_importing_gradzip_leaves_dtensor_unimported():
+    """DTensor's module costs half a second in every process that imports gradzip (each torchrun worker):
+    gradzip asks for it only where something else has imported it."""
+    import subprocess
+    import sys
+    code = "import sys, gradzip; print('torch.distributed.tensor' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False"]
+
+
+def test_dtensor_parameters_are_refused(tmp_path):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        shard = nn.Parameter(distribute_tensor(torch.zeros(4, 2), init_device_mesh("cpu", (1,)), [Shard(0)]))
+        plain = nn.Parameter(torch.zeros(3))
+        with pytest.raises(ValueError, match="got DTensor shards"):
+            gradzip.DistributedOptimizer(torch.optim.SGD([plain, shard], lr=0.1), compressor="topk")
+        gradzip.DistributedOptimizer(torch.optim.SGD([plain], lr=0.1), compressor="topk").gradzip_state.close()
+    finally:
+        dist.destroy_process_group()

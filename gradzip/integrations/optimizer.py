@@ -8,12 +8,12 @@ order on every rank.
 from __future__ import annotations
 
 import logging
+import sys
 import warnings
 from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from .. import feedback as _feedback
 from ..state import GradzipState
@@ -22,6 +22,13 @@ from .momentum_guard import guard_momentum
 __all__ = ["DistributedOptimizer"]
 
 _log = logging.getLogger(__name__)
+
+
+def _is_dtensor(p: torch.Tensor) -> bool:
+    # DTensor's module takes half a second to import, in every process that imports gradzip: a
+    # parameter can be a DTensor only once something else has imported it
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(p, module.DTensor)
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -61,7 +68,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
         in_optimizer = [p for g in optimizer.param_groups for p in g["params"]]
-        if any(isinstance(p, DTensor) for p in in_optimizer):
+        if any(map(_is_dtensor, in_optimizer)):
             raise ValueError("DistributedOptimizer needs plain (replicated) parameters, got DTensor shards "
                              "(FSDP2 / tensor parallel), which gradzip does not support; use it with "
                              "replicated models (no DDP) or gradzip.register() on a DDP model")
