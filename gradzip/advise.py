@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import costmodel as cost
+from .collectives import backends_of
 from .compressors import make, parse_spec
 from .costmodel import Link
 from .feedback import NoFeedback, scheme_of
@@ -110,14 +111,20 @@ _LINK_ATTEMPTS = 3
 def _measure_this_cluster() -> tuple[Link, int]:
     """(alpha and beta of the real links between this torchrun job's ranks, this rank)."""
     owned = not dist.is_initialized()
+    device = None  # the CPU, where gloo moves the bytes
+    if torch.cuda.is_available():  # NCCL between the ranks' own GPUs: what a GPU job's gradients cross
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
     if owned:
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group("nccl" if device is not None else "gloo")
+    if device is not None and backends_of().get("cuda", "gloo") == "gloo":
+        device = None  # a group of the script's own without NCCL: gloo, on the CPU
     try:
         for attempt in range(_LINK_ATTEMPTS):
             # Every rank gets the same points (each size's slowest rank), so all of them fit alike, and
             # all measure again alike where a noisy moment made the times not grow with the size.
             try:
-                return cost.fit_link(cost.time_allreduces()), dist.get_rank()
+                return cost.fit_link(cost.time_allreduces(device=device)), dist.get_rank()
             except ValueError:
                 if attempt + 1 == _LINK_ATTEMPTS:
                     raise

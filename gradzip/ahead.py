@@ -113,11 +113,13 @@ def _source_digest() -> bytes:
     return digest.digest()
 
 
-def package_path(fn: Callable, static: dict, shapes: tuple, options: dict) -> str:
-    """Where the package of kernel function ``fn`` with constants ``static`` for form ``shapes`` lives."""
+def package_path(fn: Callable, static: dict, shapes: tuple, options: dict, device) -> str:
+    """Where the package of kernel function ``fn`` with constants ``static`` for form ``shapes`` lives,
+    compiled for ``device``'s kind of processor (the very device: a thread's current GPU may be another
+    model of GPU)."""
     digest = hashlib.sha256(_source_digest())
     for part in (fn.__module__, fn.__name__, sorted(static.items()), shapes, sorted(options.items()), torch.__version__,
-                 devices.compile_target(shapes[0][1])):
+                 devices.compile_target(device)):
         digest.update(repr(part).encode())
     return os.path.join(cache_dir(), f"{fn.__name__}-{digest.hexdigest()[:24]}.pt2")
 
@@ -127,7 +129,7 @@ def load(fn: Callable, static: dict, args_form: tuple, options: dict, device: to
     else compiled first (in a child process, under the machine's lock for it, on ``device``, its example
     sizes in the order of ``sizes``, the shapes of the call that asked: an index stays within what it
     indexes)."""
-    path = package_path(fn, static, args_form, options)
+    path = package_path(fn, static, args_form, options, device)
     meta = _meta(path)
     if meta is None:
         real = {-1 - d: n for (_, _, dims), shape in zip(args_form, sizes) for d, n in zip(dims, shape) if d < 0}
@@ -342,7 +344,7 @@ def _main(spec: dict) -> None:
     _die_with_parent()
     kernel = getattr(importlib.import_module(spec["module"]), spec["kernel"])
     fn, static, shapes = kernel.fn, spec["static"], spec["shapes"]
-    assert package_path(fn, static, _as_form(shapes), spec["options"]) == spec["path"], "another gradzip"
+    assert package_path(fn, static, _as_form(shapes), spec["options"], spec["device"]) == spec["path"], "another gradzip"
 
     class Wrapped(torch.nn.Module):
         def forward(self, *tensors):

@@ -61,8 +61,8 @@ class DeferredFlag:
                 if self._host is None:
                     self._host = torch.empty((), dtype=torch.bool, pin_memory=True)
                     self._event = torch.cuda.Event()
-                self._host.copy_(flag, non_blocking=True)
-                self._event.record()
+                self._host.copy_(flag, non_blocking=True)  # on the flag's device's current stream
+                self._event.record(torch.cuda.current_stream(flag.device))  # that stream, not the thread's device's
             else:
                 self._host = flag
             self.pending = True

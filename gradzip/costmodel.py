@@ -504,17 +504,25 @@ def _clock(device: torch.device):
     if device.type != "cuda":
         return time.perf_counter, lambda a, b: b - a, lambda: None
 
-    def now():
+    def now():  # on the model's device's stream: the thread's current device may be another GPU
         event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        event.record(torch.cuda.current_stream(device))
         return event
 
-    return now, lambda a, b: a.elapsed_time(b) / 1e3, torch.cuda.synchronize
+    return now, lambda a, b: a.elapsed_time(b) / 1e3, lambda: torch.cuda.synchronize(device)
+
+
+def _wait(t: torch.Tensor) -> None:
+    """Until ``t``'s device has done what is queued on it: NCCL returns before the bytes have moved."""
+    if t.is_cuda:
+        torch.cuda.synchronize(t.device)
 
 
 def time_allreduces(sizes: Sequence[int] = LINK_SIZES, repeats: int = 3, min_time: float = 0.05,
-                    group: Optional[dist.ProcessGroup] = None) -> list[tuple[int, int, float]]:
-    """Run inside every worker: ``(workers, bytes, seconds)`` per size, identical on every rank.
+                    group: Optional[dist.ProcessGroup] = None,
+                    device: Optional[torch.device] = None) -> list[tuple[int, int, float]]:
+    """Run inside every worker: ``(workers, bytes, seconds)`` per size, identical on every rank, with
+    tensors on ``device`` (default: the CPU; a group of NCCL alone takes CUDA tensors only).
 
     Each size is timed at least ``repeats`` times and, for small ones, until about ``min_time`` seconds
     (at most 30 times): small messages are the noisiest and the cheapest to repeat.  The time of a size is
@@ -524,11 +532,12 @@ def time_allreduces(sizes: Sequence[int] = LINK_SIZES, repeats: int = 3, min_tim
     world = dist.get_world_size(group)
     points = []
     for nbytes in sizes:
-        buf = torch.zeros(max(1, int(nbytes) // 4))
+        buf = torch.zeros(max(1, int(nbytes) // 4), device=device)
         dist.barrier(group=group)
         start = time.perf_counter()
         dist.all_reduce(buf, group=group)
-        first = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        _wait(buf)
+        first = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
         dist.all_reduce(first, op=dist.ReduceOp.MAX, group=group)
         count = min(30, max(repeats, math.ceil(min_time / max(float(first), 1e-6))))
         times = []
@@ -536,8 +545,9 @@ def time_allreduces(sizes: Sequence[int] = LINK_SIZES, repeats: int = 3, min_tim
             dist.barrier(group=group)
             start = time.perf_counter()
             dist.all_reduce(buf, group=group)
+            _wait(buf)
             times.append(time.perf_counter() - start)
-        slowest = torch.tensor([statistics.median(times)], dtype=torch.float64)
+        slowest = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
         points.append((world, buf.numel() * 4, float(slowest)))
     return points

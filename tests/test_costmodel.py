@@ -238,10 +238,10 @@ def test_a_link_measured_at_a_noisy_moment_is_measured_again(monkeypatch):
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_rank", lambda: 1)
     timings = iter([flat, flat, good])
-    monkeypatch.setattr(cm, "time_allreduces", lambda: next(timings))
+    monkeypatch.setattr(cm, "time_allreduces", lambda **kw: next(timings))
     link, rank = adv._measure_this_cluster()
     assert rank == 1 and link.beta > 0 and next(timings, None) is None
-    monkeypatch.setattr(cm, "time_allreduces", lambda: flat)
+    monkeypatch.setattr(cm, "time_allreduces", lambda **kw: flat)
     with pytest.raises(ValueError, match="do not grow with the size"):
         adv._measure_this_cluster()
 

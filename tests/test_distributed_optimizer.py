@@ -411,3 +411,13 @@ def test_dtensor_parameters_are_refused(tmp_path):
         gradzip.DistributedOptimizer(torch.optim.SGD([plain], lr=0.1), compressor="topk").gradzip_state.close()
     finally:
         dist.destroy_process_group()
+
+
+def test_a_bucket_holds_one_device():
+    """A model spread over devices in one process: buckets split where the device changes (in backward's
+    order), as well as at the cap (meta tensors stand for a second device here)."""
+    from gradzip.integrations.optimizer import _buckets
+    named = [("a", torch.zeros(4)), ("b", torch.zeros(4, device="meta")), ("c", torch.zeros(4, device="meta")),
+             ("d", torch.zeros(4))]
+    assert [[n for n, _ in b] for b in _buckets(named, cap_bytes=1 << 20)] == [["d"], ["c", "b"], ["a"]]
+    assert [[n for n, _ in b] for b in _buckets(named, cap_bytes=20)] == [["d"], ["c"], ["b"], ["a"]]

@@ -300,11 +300,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
 
 def _buckets(named, cap_bytes):
-    """Reverse parameter order (roughly the order backward produces gradients), split at ``cap_bytes``."""
+    """Reverse parameter order (roughly the order backward produces gradients), split at ``cap_bytes``
+    and where the device changes (a model spread over several GPUs of one process: a bucket is fused,
+    and waited for, on one device)."""
     buckets, current, size = [], [], 0
     for name, p in reversed(named):
         nbytes = p.numel() * p.element_size()
-        if current and size + nbytes > cap_bytes:
+        if current and (size + nbytes > cap_bytes or p.device != current[-1][1].device):
             buckets.append(current)
             current, size = [], 0
         current.append((name, p))

@@ -260,3 +260,20 @@ def test_bucket_kernels_compiled_ahead_on_cuda(method, params, names, monkeypatc
         state.exchange(named, out=[g for _, g in named])
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_links_timed_by_nccl_on_cuda_tensors(tmp_path):
+    """The cost model's link timing (what ``gradzip advise`` runs under torchrun) on a group of NCCL alone,
+    which takes CUDA tensors only: on the rank's GPU, each allreduce waited for before it is timed."""
+    from gradzip import costmodel
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    device = torch.device("cuda", 0)
+    dist.init_process_group("nccl", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1,
+                            device_id=device)
+    try:
+        points = costmodel.time_allreduces(sizes=(1 << 10, 1 << 22), repeats=2, device=device)
+    finally:
+        dist.destroy_process_group()
+    assert [(w, b) for w, b, _ in points] == [(1, 1 << 10), (1, 1 << 22)]
+    assert all(seconds > 0 for _, _, seconds in points)
