@@ -112,13 +112,13 @@ def _measure_this_cluster() -> tuple[Link, int]:
     """(alpha and beta of the real links between this torchrun job's ranks, this rank)."""
     owned = not dist.is_initialized()
     device = None  # the CPU, where gloo moves the bytes
-    if torch.cuda.is_available():  # NCCL between the ranks' own GPUs: what a GPU job's gradients cross
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
     if owned:
+        if torch.cuda.is_available():  # NCCL between the ranks' own GPUs: what a GPU job's gradients cross
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+            torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device is not None else "gloo")
-    if device is not None and backends_of().get("cuda", "gloo") == "gloo":
-        device = None  # a group of the script's own without NCCL: gloo, on the CPU
+    elif torch.cuda.is_available() and backends_of().get("cuda", "gloo") != "gloo":
+        device = torch.device("cuda", torch.cuda.current_device())  # the group its script made, on its GPU
     try:
         for attempt in range(_LINK_ATTEMPTS):
             # Every rank gets the same points (each size's slowest rank), so all of them fit alike, and

@@ -120,8 +120,10 @@ class ProcessGroupTransport(Transport):
 
 
 def backends_of(group: Optional[dist.ProcessGroup] = None) -> dict:
-    """The backend that takes each device type's tensors in ``group``, e.g. {"cpu": "gloo", "cuda": "nccl"}:
-    a group made with no backend named has one per device type (``get_backend`` then says "undefined")."""
+    """The backend that takes each device type's tensors in ``group``, e.g. {"cuda": "nccl"}, {"cpu": "gloo",
+    "cuda": "gloo"}: for a group made with no backend named, ``get_backend`` says "undefined" and the
+    backends depend on torch's version and the machine (torch 2.13: NCCL alone where there is a GPU,
+    gloo on a CPU; older ones gloo for CPU tensors and NCCL for CUDA ones)."""
     try:
         config = str(dist.get_backend_config(group))
     except AttributeError:  # a torch without backend configs: one backend for the group

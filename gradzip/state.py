@@ -228,6 +228,8 @@ class GradzipState:
         self.always_plain: dict = {}
         #: Whether :meth:`load_state_dict` ran: integrations that were asked to resume check it.
         self.loaded = False
+        #: Keys of a state loaded where no group said where the gradients live: moved to them once.
+        self._unplaced: set = set()
         _LIVE.add(self)
         _install_teardown()
         if transport is None and dist.is_available() and dist.is_initialized():
@@ -280,12 +282,12 @@ class GradzipState:
     def context(self, key: str, grad: torch.Tensor, buffers: Optional[dict] = None, first_step: int = 0) -> TensorContext:
         """``first_step``: the step of a key that has none yet."""
         slot = self.tensors.get(key, {})
-        if slot and not grad.is_meta and any(isinstance(v, torch.Tensor) and v.device != grad.device
-                                             for v in slot.values()):
-            # state loaded where no group said where gradients live (a CPU map_location, world size 1):
-            # it follows them, once
-            slot = self.tensors[key] = {n: v.to(grad.device) if isinstance(v, torch.Tensor) else v
-                                        for n, v in slot.items()}
+        if self._unplaced and key in self._unplaced and not grad.is_meta:
+            # loaded where no group said where the gradients live (a CPU map_location, world size 1):
+            # the state follows them, at its first exchange
+            self._unplaced.discard(key)
+            slot = self.tensors[key] = {n: v.to(grad.device) if isinstance(v, torch.Tensor)
+                                        and not self.compressor.keeps_on_host(n) else v for n, v in slot.items()}
         return TensorContext(key=key, shape=grad.shape, dtype=grad.dtype, step=self.steps.get(key, first_step),
                              epoch=self.epoch, rank=self.rank, world_size=self.world_size, seed=self.seed,
                              state=slot, buffers=buffers)
@@ -887,8 +889,10 @@ class GradzipState:
         self.seed = int(state["seed"])
         self.epoch = None if state["epoch"] is None else int(state["epoch"])
         self.steps = dict(state["steps"])
-        self.tensors = {k: {n: v.to(device) if device is not None else v.clone() for n, v in slot.items()}
-                        for k, slot in state["tensors"].items()}
+        host = self.compressor.keeps_on_host
+        self.tensors = {k: {n: v.to(device) if device is not None and not host(n) else v.clone()
+                            for n, v in slot.items()} for k, slot in state["tensors"].items()}
+        self._unplaced = set(self.tensors) if device is None else set()
         self.totals.update(state.get("totals", {}))
         self._route = BucketRoute()  # its flat state is rebuilt from the loaded tensors
         self.loaded = True

@@ -91,7 +91,7 @@ if [ -n "$MEMORY_METHODS" ]; then
   snapshots=$(mktemp -d)  # the histories stay on the machine (tens of MB each); their summaries come back
   timeout 150 "$PYTHON" -m gradzip bench step --device cuda --methods "ddp,$MEMORY_METHODS" --steps 2 --warmup 2 \
     --profile-steps 1 --memory-snapshot "$snapshots" > "$OUT_DIR/memory.log" 2>&1 || true
-  for name in ddp ${MEMORY_METHODS//,/ }; do
+  for name in ddp $("$PYTHON" -c 'import sys; from gradzip.bench.step import split_methods; print(" ".join(split_methods(sys.argv[1])))' "$MEMORY_METHODS"); do
     [ -f "$snapshots/$name.pickle" ] && "$PYTHON" benchmarks/memory_peak.py "$snapshots/$name.pickle" 2>&1 \
       | tee -a "$OUT_DIR/memory.log"
   done

@@ -128,9 +128,10 @@ def test_optimizer_state_dict_without_gradzip_state_warns_that_feedback_starts_f
 
 @pytest.mark.parametrize("backend", [None, "gloo", "cpu:gloo"])
 def test_a_group_says_which_backend_takes_each_device(backend, tmp_path):
-    """A group made with no backend named (``get_backend`` says "undefined"; on a GPU machine gloo for CPU
-    tensors and NCCL for CUDA ones) or for some device types only: gradzip's transport asks which
-    backend takes a tensor's device, where checkpoints gather and where a loaded state goes."""
+    """A group made with no backend named (``get_backend`` says "undefined"; on a GPU machine NCCL, with
+    or without gloo for CPU tensors, by torch's version) or for some device types only: gradzip's
+    transport asks which backend takes a tensor's device, where checkpoints gather and where a loaded
+    state goes."""
     from gradzip.collectives import ProcessGroupTransport
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")
@@ -138,14 +139,16 @@ def test_a_group_says_which_backend_takes_each_device(backend, tmp_path):
     try:
         transport = ProcessGroupTransport()
         cuda = torch.cuda.is_available() and dist.is_nccl_available()
-        want = {None: {"cpu": "gloo", **({"cuda": "nccl"} if cuda else {})}, "gloo": {"cpu": "gloo", "cuda": "gloo"},
-                "cpu:gloo": {"cpu": "gloo"}}[backend]
-        assert transport.backends == want
-        assert transport.device == torch.device("cuda", torch.cuda.current_device()) if backend is None and cuda \
-            else transport.device == torch.device("cpu")
+        if backend is None and cuda:
+            assert transport.backends["cuda"] == "nccl"
+            assert transport.device == torch.device("cuda", torch.cuda.current_device())
+        else:
+            assert transport.backends == {None: {"cpu": "gloo"}, "gloo": {"cpu": "gloo", "cuda": "gloo"},
+                                          "cpu:gloo": {"cpu": "gloo"}}[backend]
+            assert transport.device == torch.device("cpu")
         assert transport.allgather_bytes(b"abc") == [b"abc"]  # a checkpoint's gather, on that device
-        flat = torch.arange(5.0)
-        assert torch.equal(transport.allgather_into(flat, torch.empty(1, 5)), flat.view(1, 5))
+        flat = torch.arange(5.0, device=transport.device)
+        assert torch.equal(transport.allgather_into(flat, flat.new_empty(1, 5)), flat.view(1, 5))
         assert transport.exchanged_on == flat.device == transport.device  # from then on: the exchanges' device
     finally:
         dist.destroy_process_group()
@@ -157,3 +160,18 @@ def test_a_torch_without_backend_configs_names_one_backend(monkeypatch):
     for name, want in (("nccl", {"cuda": "nccl"}), ("gloo", {"cpu": "gloo", "cuda": "gloo"})):
         monkeypatch.setattr(dist, "get_backend", lambda group=None, name=name: name)
         assert collectives.backends_of() == want
+
+
+def test_a_state_placed_by_no_group_follows_its_gradients_once():
+    """Loaded at world size 1 (no group to say where the gradients live), each key's state is moved to its
+    gradients' device at its first exchange and never looked at again (the move itself needs a GPU:
+    tests/stacks/test_gpu.py); a state loaded under a group's device is placed at once."""
+    state = _trained_state(0)
+    saved = state.state_dict()
+    state.close()
+    resumed = GradzipState("topk", ratio=0.25)
+    resumed.load_state_dict(saved)
+    assert resumed._unplaced == {"w", "b"}
+    resumed.exchange([("w", torch.randn(32, 16)), ("b", torch.randn(16))])
+    assert resumed._unplaced == set()
+    resumed.close()

@@ -517,6 +517,8 @@ def format_table(result: dict) -> str:
               + (f", then the median over {repeats} repeats; spread: slowest repeat over fastest - 1; x DDP, "
                  "x fp16 (over torch-fp16): ratios within each repeat, then their median" if repeats > 1 else
                  "; x fp16: over torch-fp16")
+              + (" (a PowerSGD row's note: over torch-powersgd)" if any("x_torch_powersgd" in r for r in result["rows"])
+                 else "")
               + "; first ms: the first step; peak MB: max_memory_allocated; per step, from torch.profiler over "
               f"{c['profile_steps']} steps ({'all threads' if all_threads else 'the calling thread only'}): "
               + ("launches: cuda*LaunchKernel* calls, syncs: stream/device/event synchronize and synchronous "

@@ -214,6 +214,9 @@ class Auto(Compressor):
 
     delegates_buckets = True
 
+    def keeps_on_host(self, name):
+        return name.startswith("auto_")  # AutoState's: read by the host every step
+
     def bucket_method(self, keys, tensors):
         """Once every tensor of a bucket has chosen the same compressing candidate, for good, that
         candidate's bucket route, if it has one: from then on auto costs what its choice costs.  Before

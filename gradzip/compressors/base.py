@@ -440,6 +440,11 @@ class Compressor:
     #: True when :meth:`bucket_method` may name another method (auto, once it has chosen one).
     delegates_buckets: ClassVar[bool] = False
 
+    def keeps_on_host(self, name: str) -> bool:
+        """Whether per-tensor state ``name`` lives in host memory whatever the gradients' device (auto's
+        measurements and schedule): a loaded state leaves it there, and moves the rest to the GPU."""
+        return False
+
     def bucket_method(self, keys: Sequence[str], tensors: dict) -> Optional["Compressor"]:
         """The method whose :meth:`bucket_exchange` exchanges the bucket of these tensors (``tensors``: the
         state's per-tensor state by name), or None for the per-tensor route: the method itself where it

@@ -27,8 +27,8 @@ _log = logging.getLogger(__name__)
 def _is_dtensor(p: torch.Tensor) -> bool:
     # DTensor's module takes half a second to import, in every process that imports gradzip: a
     # parameter can be a DTensor only once something else has imported it
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(p, module.DTensor)
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)  # None in an older torch
+    return dtensor is not None and isinstance(p, dtensor)
 
 
 class DistributedOptimizer(torch.optim.Optimizer):

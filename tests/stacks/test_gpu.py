@@ -277,3 +277,29 @@ def test_links_timed_by_nccl_on_cuda_tensors(tmp_path):
         dist.destroy_process_group()
     assert [(w, b) for w, b, _ in points] == [(1, 1 << 10), (1, 1 << 22)]
     assert all(seconds > 0 for _, _, seconds in points)
+
+
+def test_state_loaded_on_cpu_keeps_autos_measurements_on_the_host():
+    """auto's own per-tensor state (its measurements and schedule, read by the host every step) stays in
+    host memory when a state loaded onto the CPU follows its gradients to the GPU; its candidate's
+    error feedback goes with them."""
+    import io
+
+    from gradzip.state import GradzipState
+    params = {"candidates": "topk:ratio=0.01", "warmup": 0, "trials": 1, "verify": 0}
+    going = GradzipState("auto", **params)
+    for step in range(4):
+        named = _cuda_bucket(step)
+        going.exchange(named, out=[g for _, g in named])
+    buffer = io.BytesIO()
+    torch.save(going.state_dict(), buffer)
+    buffer.seek(0)
+    resumed = GradzipState("auto", **params)
+    resumed.load_state_dict(torch.load(buffer, map_location="cpu", weights_only=True))
+    for step in range(4, 7):
+        named = _cuda_bucket(step)
+        resumed.exchange(named, out=[g for _, g in named])
+        assert all(torch.isfinite(g).all() for _, g in named)
+    where = {(name, v.device.type) for slot in resumed.tensors.values() for name, v in slot.items()
+             if isinstance(v, torch.Tensor)}
+    assert where and all((t == "cpu") == name.startswith("auto_") for name, t in where), where
