@@ -364,7 +364,7 @@ class Auto(Compressor):
         state = self._load(ctx)
         changes = self._turn(state, ctx).stage not in ("warmup", "chosen")
         undecided = state.choice is None
-        agreed = yield from self._clock_and_agree(state, ctx)
+        agreed = yield from self._clock_and_agree(state, ctx, x.device)
         stage, index = self._turn(state, ctx)
         bucket = self._clock.exchange_of(ctx.key)
         bucket.ran[ctx.key] = (ctx.step, index, agreed)  # for payload_bytes
@@ -387,8 +387,9 @@ class Auto(Compressor):
         result.settled_dense = self._allreduce_dtype(state, ctx) is not None or not self._compresses(state, ctx)
         return result
 
-    def _clock_and_agree(self, state: AutoState, ctx):
-        """Record the step clock's readings, and agree with the other ranks where the schedule says so;
+    def _clock_and_agree(self, state: AutoState, ctx, device: torch.device):
+        """Record the step clock's readings, and agree with the other ranks where the schedule says so
+        (by allreduces on ``device``, the gradients': a group of NCCL alone takes no CPU tensor);
         returns the bytes the agreement sent."""
         s = position(state, ctx.step, self._schedule)
         if s is None:
@@ -401,24 +402,25 @@ class Auto(Compressor):
             if s > 0:
                 self._record_explored_step(state, steps)
             if s > 0 and s % len(self._built) == 0:  # a new round
-                return (yield from self._agree_round(state, ctx))
+                return (yield from self._agree_round(state, ctx, device))
         elif stage == "decide" and state.plan is None:
             self._record_explored_step(state, steps)
-            return (yield from self._agree_plan(state, ctx))
+            return (yield from self._agree_plan(state, ctx, device))
         elif stage == "decide":
             state.steps = self._verified_steps(steps)
-            return (yield from self._agree_steps(state, ctx))
+            return (yield from self._agree_steps(state, ctx, device))
         return 0
 
-    def _costs(self, times: torch.Tensor):
-        """min over trials here, then (one allreduce of max of -t) min over ranks; inf: never measured.
-        Noise on a shared machine only ever adds time, so the fastest trial is the estimate (as timeit)."""
+    def _costs(self, times: torch.Tensor, device: torch.device):
+        """min over trials here, then (one allreduce of max of -t, on ``device``) min over ranks; inf: never
+        measured.  Noise on a shared machine only ever adds time, so the fastest trial is the estimate
+        (as timeit).  In host memory, as the times."""
         fastest = times.min(dim=1).values
-        return -(yield AllReduce(-fastest.float(), op="max")).double()
+        return -(yield AllReduce(-fastest.float().to(device), op="max")).cpu().double()
 
-    def _agree_round(self, state: AutoState, ctx):
+    def _agree_round(self, state: AutoState, ctx, device):
         """Drop the candidates more than ``drop`` times slower than the fastest so far."""
-        measured = yield from self._costs(state.times)
+        measured = yield from self._costs(state.times, device)
         eligible = self._eligible(ctx)
         active = state.active & eligible & torch.isfinite(measured)
         if not bool(active.any()):  # nothing measured anywhere (cannot happen in lockstep): keep racing
@@ -428,12 +430,12 @@ class Auto(Compressor):
         state.cost = measured
         return len(self._built) * 4
 
-    def _agree_plan(self, state: AutoState, ctx):
+    def _agree_plan(self, state: AutoState, ctx, device):
         """The plan: among the candidates whose exchange clearly beats dense's and whose exploration steps
         were faster than dense's, the first in the verification order (the cheapest exchange if there is
         no verification)."""
         C = len(self._built)
-        measured = yield from self._costs(torch.cat([state.times, state.periods]))
+        measured = yield from self._costs(torch.cat([state.times, state.periods]), device)
         measured, step_cost = measured[:C], measured[C:]
         state.cost, state.explored = measured, step_cost
         if self._none is not None:  # compared with dense's measured cost, even if it left the race
@@ -502,14 +504,14 @@ class Auto(Compressor):
                     timed[arm, r] = sum(part) / len(part)
         return timed
 
-    def _agree_steps(self, state: AutoState, ctx):
+    def _agree_steps(self, state: AutoState, ctx, device):
         """A plan wins if its whole step is ``step_margin`` faster than dense's; the next plan is then
         verified, until none is left, and the fastest winner (else dense) is the choice."""
         # The median over repetitions ignores a step that an evaluation or a checkpoint lengthened; the
         # mean over ranks (unlike a min) is not fooled by one rank's clock starting late on one step.
         medians = torch.stack([row[torch.isfinite(row)].median() if torch.isfinite(row).any()
                                else torch.tensor(math.inf, dtype=row.dtype) for row in state.steps])
-        plan_s, dense_s = ((yield AllReduce(medians.float())).double() / ctx.world_size).tolist()
+        plan_s, dense_s = ((yield AllReduce(medians.float().to(device))).double() / ctx.world_size).tolist()
         state.steps = self._blank.steps
         if not math.isfinite(dense_s):  # the clock was lost (a resumed run): a verified winner, else the plan
             state.choice = state.best if state.best is not None else state.plan

@@ -303,3 +303,25 @@ def test_state_loaded_on_cpu_keeps_autos_measurements_on_the_host():
     where = {(name, v.device.type) for slot in resumed.tensors.values() for name, v in slot.items()
              if isinstance(v, torch.Tensor)}
     assert where and all((t == "cpu") == name.startswith("auto_") for name, t in where), where
+
+
+def test_auto_agrees_through_a_group_of_nccl_alone(tmp_path):
+    """auto's agreements (its measurements: host memory) go through the collective on the gradients' GPU:
+    a group of NCCL alone takes no CPU tensor.  One rank, its transport the process group's own."""
+    from gradzip.collectives import ProcessGroupTransport
+    from gradzip.state import GradzipState
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("nccl", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1,
+                            device_id=torch.device("cuda", 0))
+    try:
+        state = GradzipState("auto", transport=ProcessGroupTransport(), candidates="topk:ratio=0.01;qsgd",
+                             warmup=0, trials=1, verify=1)
+        for step in range(12):  # explore, agree, decide, verify
+            named = _cuda_bucket(step)
+            state.exchange(named, out=[g for _, g in named])
+            assert all(torch.isfinite(g).all() for _, g in named)
+        assert state.stats()["exchanges"] > 0 and all(state.compressor.describe(state.tensors)["choices"].values())
+        state.close()
+    finally:
+        dist.destroy_process_group()
