@@ -119,6 +119,24 @@ def test_bucket_exchange_sync_debug(name, params):
     assert all(torch.isfinite(g).all() for _, g in named)
 
 
+def _resumed_from_cpu(name, params, steps):
+    """(a state after ``steps`` exchanges of CUDA buckets, a fresh one that loaded its state_dict as
+    ``register(resume=...)`` does: saved, then read with map_location="cpu")."""
+    import io
+
+    from gradzip.state import GradzipState
+    going = GradzipState(name, **params)
+    for step in range(steps):
+        named = _cuda_bucket(step)
+        going.exchange(named, out=[g for _, g in named])
+    buffer = io.BytesIO()
+    torch.save(going.state_dict(), buffer)
+    buffer.seek(0)
+    resumed = GradzipState(name, **params)
+    resumed.load_state_dict(torch.load(buffer, map_location="cpu", weights_only=True))
+    return going, resumed
+
+
 @pytest.mark.parametrize("bucketed", [True, False], ids=["bucket_route", "per_tensor_route"])
 @pytest.mark.parametrize("name, params", [("topk", {}), ("efsignsgd", {}), ("qsgd", {"feedback": "residual"}),
                                           ("powersgd", {"dense_steps": 0}),
@@ -128,18 +146,7 @@ def test_state_loaded_on_cpu_continues_on_cuda(name, params, bucketed):
     """A state_dict saved from CUDA and loaded with map_location="cpu" (as ``register(resume=...)`` loads
     it) into a state no process group places (world size 1): its tensors follow the gradients to the GPU
     at the next exchange, which continues bit for bit as the state that was never saved."""
-    import io
-
-    from gradzip.state import GradzipState
-    going = GradzipState(name, bucketed=bucketed, **params)
-    for step in range(2):
-        named = _cuda_bucket(step)
-        going.exchange(named, out=[g for _, g in named])
-    buffer = io.BytesIO()
-    torch.save(going.state_dict(), buffer)
-    buffer.seek(0)
-    resumed = GradzipState(name, bucketed=bucketed, **params)
-    resumed.load_state_dict(torch.load(buffer, map_location="cpu", weights_only=True))
+    going, resumed = _resumed_from_cpu(name, {"bucketed": bucketed, **params}, steps=2)
     for step in range(2, 4):
         named, again = _cuda_bucket(step), _cuda_bucket(step)
         going.exchange(named, out=[g for _, g in named])
@@ -283,19 +290,8 @@ def test_state_loaded_on_cpu_keeps_autos_measurements_on_the_host():
     """auto's own per-tensor state (its measurements and schedule, read by the host every step) stays in
     host memory when a state loaded onto the CPU follows its gradients to the GPU; its candidate's
     error feedback goes with them."""
-    import io
-
-    from gradzip.state import GradzipState
     params = {"candidates": "topk:ratio=0.01", "warmup": 0, "trials": 1, "verify": 0}
-    going = GradzipState("auto", **params)
-    for step in range(4):
-        named = _cuda_bucket(step)
-        going.exchange(named, out=[g for _, g in named])
-    buffer = io.BytesIO()
-    torch.save(going.state_dict(), buffer)
-    buffer.seek(0)
-    resumed = GradzipState("auto", **params)
-    resumed.load_state_dict(torch.load(buffer, map_location="cpu", weights_only=True))
+    _, resumed = _resumed_from_cpu("auto", params, steps=4)
     for step in range(4, 7):
         named = _cuda_bucket(step)
         resumed.exchange(named, out=[g for _, g in named])
