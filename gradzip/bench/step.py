@@ -374,6 +374,23 @@ def _checked_config(device_type: str, options: dict, profile_steps: int, memory_
     return {**cfg, "memory_snapshot": memory_snapshot}
 
 
+def _checked_names(methods: Optional[Sequence[str]]) -> list:
+    """The contenders (default: every one but the probes), or a one-line ValueError for a bad one."""
+    valid = list(BASELINES) + list(PROBES) + gradzip.compressors()
+    names = list(methods) if methods else [m for m in valid if m not in PROBES]
+    bad = [m for m in names if m.partition(":")[0] not in valid]
+    if bad:
+        raise ValueError(f"unknown method(s) {', '.join(bad)}; valid: {', '.join(valid)}")
+    for name in names:
+        if ":" in name:
+            if name.partition(":")[0] not in gradzip.compressors():
+                raise ValueError(f"{name}: only gradzip's methods take parameters (NAME:KEY=VALUE,...)")
+            _spec(name)  # an unknown parameter or a bad value: refused now, not as a row
+    if len(set(names)) < len(names):
+        raise ValueError(f"a contender is named twice in {', '.join(names)}")
+    return names
+
+
 def run(methods: Optional[Sequence[str]] = None, *, device: Optional[str] = None, seed: int = 0,
         bucket_mb: float = 25.0, profile_steps: int = 2, repeats: int = 1, isolate: Optional[bool] = None,
         memory_snapshot: Optional[str] = None, progress: Optional[Callable[[str], None]] = None, **options) -> dict:
@@ -399,18 +416,7 @@ def run(methods: Optional[Sequence[str]] = None, *, device: Optional[str] = None
             torch.cuda.set_device(dev)
     cfg = _checked_config(dev.type, options, profile_steps, memory_snapshot)
     cfg.update(seed=seed, bucket_mb=bucket_mb, profile_steps=profile_steps)
-    valid = list(BASELINES) + list(PROBES) + gradzip.compressors()
-    names = list(methods) if methods else [m for m in valid if m not in PROBES]
-    bad = [m for m in names if m.partition(":")[0] not in valid]
-    if bad:
-        raise ValueError(f"unknown method(s) {', '.join(bad)}; valid: {', '.join(valid)}")
-    for name in names:
-        if ":" in name:
-            if name.partition(":")[0] not in gradzip.compressors():
-                raise ValueError(f"{name}: only gradzip's methods take parameters (NAME:KEY=VALUE,...)")
-            _spec(name)  # an unknown parameter or a bad value: refused now, not as a row
-    if len(set(names)) < len(names):
-        raise ValueError(f"a contender is named twice in {', '.join(names)}")
+    names = _checked_names(methods)
 
     def tell(name, repeat):
         if progress and (isolate or dist.get_rank() == 0):
