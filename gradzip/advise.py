@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import costmodel as cost
-from .collectives import backends_of
+from .collectives import ProcessGroupTransport
 from .compressors import make, parse_spec
 from .costmodel import Link
 from .feedback import NoFeedback, scheme_of
@@ -111,14 +111,13 @@ _LINK_ATTEMPTS = 3
 def _measure_this_cluster() -> tuple[Link, int]:
     """(alpha and beta of the real links between this torchrun job's ranks, this rank)."""
     owned = not dist.is_initialized()
-    device = None  # the CPU, where gloo moves the bytes
+    cuda = torch.cuda.is_available()
     if owned:
-        if torch.cuda.is_available():  # NCCL between the ranks' own GPUs: what a GPU job's gradients cross
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device is not None else "gloo")
-    elif torch.cuda.is_available() and backends_of().get("cuda", "gloo") != "gloo":
-        device = torch.device("cuda", torch.cuda.current_device())  # the group its script made, on its GPU
+        if cuda:  # NCCL between the ranks' own GPUs: what a GPU job's gradients cross
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        dist.init_process_group("nccl" if cuda else "gloo")
+    # where gradzip's own collectives would go in this group (the CPU under gloo)
+    device = ProcessGroupTransport().device if cuda else None
     try:
         for attempt in range(_LINK_ATTEMPTS):
             # Every rank gets the same points (each size's slowest rank), so all of them fit alike, and

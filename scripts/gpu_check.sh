@@ -23,6 +23,8 @@ TESTS_TIMEOUT=${TESTS_TIMEOUT:-180}  # the kernels compiled ahead that the bench
 ISSUE_METHODS=${ISSUE_METHODS:-}  # e.g. topk,qsgd: bench step again with GRADZIP_ISSUE=inline (thread vs hook)
 MEMORY_METHODS=${MEMORY_METHODS:-}  # e.g. sketch: what is alive at each one's memory peak (and DDP's), by line
 mkdir -p "$OUT_DIR"
+# A contender list split as gradzip bench step splits it (a method's own parameters are comma-separated too).
+split_methods() { "$PYTHON" -c 'import sys; from gradzip.bench.step import split_methods; print("\n".join(split_methods(sys.argv[1])))' "$1"; }
 export PYTHONPATH=${PYTHONPATH:-.}
 # One cache of kernels compiled ahead for the benchmarks and the tests: each compiles once (in a child
 # process, tens of seconds), the first time a bucket route needs it.
@@ -54,9 +56,7 @@ if [ "$WARM_JOBS" -gt 0 ]; then
   warm_start=$SECONDS
   echo "== warming the cache of kernels compiled ahead ($WARM_JOBS at once) =="
   methods=${STEP_METHODS:-$("$PYTHON" -c 'import gradzip; print(",".join(gradzip.compressors()))')}
-  # split as the command does (a method's own parameters are comma-separated too)
-  "$PYTHON" -c 'import sys; from gradzip.bench.step import split_methods; print("\n".join(split_methods(sys.argv[1])))' \
-      "$methods" | grep -v -E '^(ddp|torch-.*|probe-.*)$' \
+  split_methods "$methods" | grep -v -E '^(ddp|torch-.*|probe-.*)$' \
     | timeout "$WARM_TIMEOUT" xargs -P "$WARM_JOBS" -I{} "$PYTHON" -m gradzip bench step --device cuda --methods {} \
         --steps 1 --warmup 1 --profile-steps 1 --no-isolate > "$OUT_DIR/warm.log" 2>&1 || true
   echo "warm-up: $((SECONDS - warm_start)) s (its output: warm.log)"
@@ -91,7 +91,7 @@ if [ -n "$MEMORY_METHODS" ]; then
   snapshots=$(mktemp -d)  # the histories stay on the machine (tens of MB each); their summaries come back
   timeout 150 "$PYTHON" -m gradzip bench step --device cuda --methods "ddp,$MEMORY_METHODS" --steps 2 --warmup 2 \
     --profile-steps 1 --memory-snapshot "$snapshots" > "$OUT_DIR/memory.log" 2>&1 || true
-  for name in ddp $("$PYTHON" -c 'import sys; from gradzip.bench.step import split_methods; print(" ".join(split_methods(sys.argv[1])))' "$MEMORY_METHODS"); do
+  for name in ddp $(split_methods "$MEMORY_METHODS"); do
     [ -f "$snapshots/$name.pickle" ] && "$PYTHON" benchmarks/memory_peak.py "$snapshots/$name.pickle" 2>&1 \
       | tee -a "$OUT_DIR/memory.log"
   done

@@ -14,6 +14,7 @@ import gradzip
 from gradzip.state import GradzipState, reshard
 
 from .distributed import run_workers
+from .workers import one_rank_group
 
 
 def _trained_state(worker, method="topk", steps=3, params=None):
@@ -133,10 +134,7 @@ def test_a_group_says_which_backend_takes_each_device(backend, tmp_path):
     transport asks which backend takes a tensor's device, where checkpoints gather and where a loaded
     state goes."""
     from gradzip.collectives import ProcessGroupTransport
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group(backend, store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
+    with one_rank_group(backend, tmp_path):
         transport = ProcessGroupTransport()
         cuda = torch.cuda.is_available() and dist.is_nccl_available()
         if backend is None and cuda:
@@ -150,8 +148,6 @@ def test_a_group_says_which_backend_takes_each_device(backend, tmp_path):
         flat = torch.arange(5.0, device=transport.device)
         assert torch.equal(transport.allgather_into(flat, flat.new_empty(1, 5)), flat.view(1, 5))
         assert transport.exchanged_on == flat.device == transport.device  # from then on: the exchanges' device
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_torch_without_backend_configs_names_one_backend(monkeypatch):

@@ -400,17 +400,12 @@ def test_importing_gradzip_leaves_dtensor_unimported():
 def test_dtensor_parameters_are_refused(tmp_path):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
+    with workers.one_rank_group("gloo", tmp_path):
         shard = nn.Parameter(distribute_tensor(torch.zeros(4, 2), init_device_mesh("cpu", (1,)), [Shard(0)]))
         plain = nn.Parameter(torch.zeros(3))
         with pytest.raises(ValueError, match="got DTensor shards"):
             gradzip.DistributedOptimizer(torch.optim.SGD([plain, shard], lr=0.1), compressor="topk")
         gradzip.DistributedOptimizer(torch.optim.SGD([plain], lr=0.1), compressor="topk").gradzip_state.close()
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_bucket_holds_one_device():

@@ -1,10 +1,12 @@
 """Worker functions run in spawned processes (or threads) by the distributed tests."""
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -21,6 +23,19 @@ TEST_PARAMS = {
     # Four candidates, one trial each: plan at step 4, plan steps 4-7, dense steps 8-12, decision at step 13.
     "auto": {"warmup": 0, "trials": 1, "verify": 1},
 }
+
+
+@contextlib.contextmanager
+def one_rank_group(backend, folder, **options):
+    """A process group of this process alone (``backend``, a store in ``folder``), destroyed however the
+    block ends; the test is skipped where a group is already up in this process."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group(backend, store=dist.FileStore(str(folder / "store"), 1), rank=0, world_size=1, **options)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def params_for(name: str) -> dict:

@@ -273,15 +273,11 @@ def test_links_timed_by_nccl_on_cuda_tensors(tmp_path):
     """The cost model's link timing (what ``gradzip advise`` runs under torchrun) on a group of NCCL alone,
     which takes CUDA tensors only: on the rank's GPU, each allreduce waited for before it is timed."""
     from gradzip import costmodel
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
+
+    from ..workers import one_rank_group
     device = torch.device("cuda", 0)
-    dist.init_process_group("nccl", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1,
-                            device_id=device)
-    try:
+    with one_rank_group("nccl", tmp_path, device_id=device):
         points = costmodel.time_allreduces(sizes=(1 << 10, 1 << 22), repeats=2, device=device)
-    finally:
-        dist.destroy_process_group()
     assert [(w, b) for w, b, _ in points] == [(1, 1 << 10), (1, 1 << 22)]
     assert all(seconds > 0 for _, _, seconds in points)
 
@@ -306,11 +302,9 @@ def test_auto_agrees_through_a_group_of_nccl_alone(tmp_path):
     a group of NCCL alone takes no CPU tensor.  One rank, its transport the process group's own."""
     from gradzip.collectives import ProcessGroupTransport
     from gradzip.state import GradzipState
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("nccl", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1,
-                            device_id=torch.device("cuda", 0))
-    try:
+
+    from ..workers import one_rank_group
+    with one_rank_group("nccl", tmp_path, device_id=torch.device("cuda", 0)):
         state = GradzipState("auto", transport=ProcessGroupTransport(), candidates="topk:ratio=0.01;qsgd",
                              warmup=0, trials=1, verify=1)
         for step in range(12):  # explore, agree, decide, verify
@@ -319,5 +313,3 @@ def test_auto_agrees_through_a_group_of_nccl_alone(tmp_path):
             assert all(torch.isfinite(g).all() for _, g in named)
         assert state.stats()["exchanges"] > 0 and all(state.compressor.describe(state.tensors)["choices"].values())
         state.close()
-    finally:
-        dist.destroy_process_group()
