@@ -247,7 +247,7 @@ class Kernel:
     def _load_ahead(self, key, static, shapes, device, sizes) -> None:
         """A background thread's job: load (or compile, then load) the package for ``key``."""
         try:
-            package = ahead.load(self.fn, static, shapes, _eager_numerics(), device, sizes)
+            package = ahead.load(self.fn, static, shapes, _ahead_options(device), device, sizes)
         except Exception as exc:  # noqa: BLE001 - any compiler failure: this kernel's reference path for good
             if not ahead.exiting():
                 self._ahead_failed(exc)
@@ -303,6 +303,15 @@ def _eager_numerics() -> dict:
         if hasattr(config, owner) and (not rest or hasattr(getattr(config, owner), rest[0])):
             known[name] = value
     return known
+
+
+def _ahead_options(device) -> dict:
+    """A package's Inductor options: eager rounding, and its wrapper unoptimised where nothing times it."""
+    from torch._inductor import config
+    options = _eager_numerics()
+    if not devices.optimises_ahead_wrapper(device) and hasattr(config.aot_inductor, "compile_wrapper_opt_level"):
+        options["aot_inductor.compile_wrapper_opt_level"] = "O0"
+    return options
 
 
 def _specialise(fn: Callable, static: dict) -> Callable:

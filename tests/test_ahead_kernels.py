@@ -564,6 +564,31 @@ def test_an_unordered_kernel_is_checked_at_float_tolerance():
     assert _unordered(torch.tensor([float("nan"), 1.0]), torch.tensor([float("nan"), 1.0 + 1e-7]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_an_ordered_kernel_is_checked_bit_for_bit(dtype):
+    """A package's check: the same bits (signs of zeros too), NaN where NaN whatever its payload."""
+    nan = float("nan")
+    a = torch.tensor([1.5, -0.0, nan, 3.0, 0.0], dtype=dtype)
+    assert ahead._same(a, a.clone()) and ahead._same(a, torch.tensor([1.5, -0.0, -nan, 3.0, 0.0], dtype=dtype))
+    for moved in ([1.5, 0.0, nan, 3.0, 0.0], [1.5, -0.0, 2.0, 3.0, 0.0], [1.5, -0.0, nan, nan, 0.0],
+                  [1.5, -0.0, nan, 3.0, 0.25]):
+        assert not ahead._same(a, torch.tensor(moved, dtype=dtype)), moved
+    assert ahead._same(a[::2], a.clone()[::2]) and not ahead._same(a, a.float() if dtype != torch.float32 else a.double())
+
+
+def test_a_cpus_package_leaves_its_wrapper_unoptimised(monkeypatch):
+    """Only tests and checks build CPU packages: their wrapper compiles at -O0, a GPU's optimised; the
+    options are part of the package's name, so the two never share a file."""
+    cpu = kernels._ahead_options(torch.device("cpu"))
+    monkeypatch.setattr(devices, "optimises_ahead_wrapper", lambda where: True)
+    gpu = kernels._ahead_options(torch.device("cpu"))
+    assert cpu["aot_inductor.compile_wrapper_opt_level"] == "O0"
+    assert {k: v for k, v in cpu.items() if k != "aot_inductor.compile_wrapper_opt_level"} == gpu
+    kernel = kernel_named("_half_share")
+    form = (("float32", "cpu", (-1,)),)
+    assert ahead.package_path(kernel.fn, {}, form, cpu, "cpu") != ahead.package_path(kernel.fn, {}, form, gpu, "cpu")
+
+
 def test_a_failing_compile_warns_once_and_keeps_the_reference_path(monkeypatch, tmp_path):
     monkeypatch.setenv("GRADZIP_KERNEL_CACHE", str(tmp_path))
     kernel = quantize._terngrad_bucket_encode
