@@ -90,7 +90,7 @@ class _Bucket:
         self.flat: dict[str, torch.Tensor] = {}  # committed state, one flat tensor per name
         self.views: dict[str, list] = {}  # each key's view of it (None: no such state), as in GradzipState.tensors
         self.skipped = DeferredFlag()
-        self.input_at: Optional[tuple] = None  # (first data_ptr, last data_ptr) where the input is one run
+        self.input_at: Optional[tuple] = None  # (its storage's address and size, each data_ptr) where the input is one run
         # NaN and 1 on the device, to poison or keep the output with: no scalar made into a tensor each step
         self.nan, self.one = torch.tensor([float("nan"), 1.0], device=layout.device).unbind()
         # the input's flag where the aggregate's check stands for the input's (read, never written)
@@ -99,9 +99,10 @@ class _Bucket:
     def flat_input(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
         """The gradients as one flat tensor: a view where they lie end to end in one buffer (DDP's
         bucket views), else a copy."""
-        at = (grads[0].data_ptr(), grads[-1].data_ptr())
+        storage = grads[0].untyped_storage()
+        at = (storage.data_ptr(), storage.nbytes(), *(g.data_ptr() for g in grads))  # any of them may move
         if at != self.input_at:
-            self.input_at = at if _one_run(grads, self.layout) else None
+            self.input_at = at if _one_run(grads, self.layout, storage) else None
         if self.input_at is not None:
             return torch.as_strided(grads[0], (self.layout.numel,), (1,))
         return torch.cat([g.reshape(-1) for g in grads])
@@ -168,8 +169,12 @@ def _finite(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(x, float("inf")).lt(float("inf"))
 
 
-def _one_run(grads: Sequence[torch.Tensor], layout: BucketLayout) -> bool:
+def _one_run(grads: Sequence[torch.Tensor], layout: BucketLayout, storage) -> bool:
+    """Whether the gradients lie end to end within the first one's storage (tensors allocated apart may
+    also lie end to end: a GPU's caching allocator cuts them from one segment)."""
     base, size = grads[0].data_ptr(), grads[0].element_size()
+    if not storage.data_ptr() <= base <= base + layout.numel * size <= storage.data_ptr() + storage.nbytes():
+        return False
     return all(g.is_contiguous() and g.data_ptr() == base + offset * size for g, offset in zip(grads, layout.offsets))
 
 
@@ -179,14 +184,15 @@ class BucketRoute:
     def __init__(self):
         self.buckets: dict[tuple, _Bucket] = {}
 
-    def bucket(self, keys: tuple, grads: Sequence[torch.Tensor], compressor: Compressor) -> _Bucket:
+    def bucket(self, keys: tuple, grads: Sequence[torch.Tensor], steps: dict, totals: dict) -> _Bucket:
         entry = self.buckets.get(keys)
         if entry is None or entry.layout.dtype != grads[0].dtype or entry.layout.device != grads[0].device:
+            # A key belongs to one bucket: DDP regroups its buckets after the first step (with fp16 AMP
+            # most often a skipped one, whose skip the bucket that goes still has to tell).
+            for other in [k for k in self.buckets if set(k) & set(keys)]:
+                self.resolve(steps, totals, self.buckets.pop(other))
             layout = BucketLayout(keys, [g.shape for g in grads], grads[0].dtype, grads[0].device)
             entry = self.buckets[keys] = _Bucket(layout)
-            # A key belongs to one bucket: DDP regroups its buckets after the first step.
-            for other in [k for k in self.buckets if k != keys and set(k) & set(keys)]:
-                del self.buckets[other]
         return entry
 
     def resolve(self, steps: dict, totals: dict, entry: Optional[_Bucket] = None) -> None:
@@ -205,7 +211,7 @@ class BucketRoute:
         when given."""
         keys = tuple(key for key, _ in named_grads)
         grads = [g for _, g in named_grads]
-        entry = self.bucket(keys, grads, compressor)
+        entry = self.bucket(keys, grads, state.steps, state.totals)
         self.resolve(state.steps, state.totals, entry)
         layout = entry.layout
         state.compressor.observe_step(keys, time.perf_counter())

@@ -299,6 +299,56 @@ def test_a_regrouped_bucket_keeps_each_tensors_residual():
     assert len(state._route.buckets) == 2
 
 
+def test_a_regrouped_bucket_still_takes_back_its_skipped_step():
+    """DDP regroups its buckets after the first step, which fp16 AMP most often skips: the skip of the
+    bucket that goes is learnt all the same (steps taken back, counted), as on the per-tensor route."""
+    for bucketed in (True, False):
+        state = GradzipState("topk", bucketed=bucketed, ratio=0.1)
+        _, named = _bucket()
+        named[0][1][0, 0] = float("nan")
+        state.exchange(named)
+        _, again = _bucket(seed=1)
+        for half in (again[:4], again[4:]):
+            state.exchange(half)
+        assert state.stats()["nonfinite_exchanges"] == 1, bucketed
+        assert set(state.state_dict()["steps"].values()) == {1}, bucketed
+
+
+def _apart_end_to_end(named: list) -> list:
+    """The same gradients, each in a storage of its own, lying end to end in memory (as a GPU's caching
+    allocator cuts separate tensors from one segment)."""
+    flat = torch.cat([g.reshape(-1) for _, g in named]).numpy()
+    apart, at = [], 0
+    for key, g in named:
+        apart.append((key, torch.from_numpy(flat[at:at + g.numel()]).view(g.shape)))
+        at += g.numel()
+    return apart
+
+
+def test_gradients_apart_but_end_to_end_are_copied_not_viewed():
+    """A view over the first gradient's storage serves only gradients within it; and a gradient moved
+    between exchanges, however the others lie, is read where it now is."""
+    state, reference = GradzipState("topk", bucketed=True, ratio=0.3), GradzipState("topk", bucketed=False, ratio=0.3)
+    for step in range(3):
+        named = [(k, g) for k, g in _bucket(seed=step)[1] if g.numel()]  # an empty tensor's data_ptr is 0: no run
+        apart = _apart_end_to_end(named)
+        assert len({g.untyped_storage().data_ptr() for _, g in apart}) > 1
+        got = state.exchange(apart)
+        assert all(torch.equal(x, y) for x, y in zip(got, reference.exchange(named)))
+    named = [(k, g) for k, g in _bucket(seed=3)[1] if g.numel()]
+    run = torch.cat([g.reshape(-1) for _, g in named])
+    views, at = [], 0
+    for key, g in named:
+        views.append((key, run[at:at + g.numel()].view(g.shape)))
+        at += g.numel()
+    moved = [(k, g) for k, g in views]
+    for _ in range(2):  # one run, then its third tensor elsewhere with the first and last where they were
+        got = state.exchange(moved)
+        assert (_ == 0) == (state._route.buckets[tuple(k for k, _ in named)].input_at is not None)  # a view, then not
+        assert all(torch.equal(x, y) for x, y in zip(got, reference.exchange([(k, g.clone()) for k, g in moved])))
+        moved[2] = (moved[2][0], moved[2][1] + 1.0)
+
+
 def test_cpu_gradients_keep_the_per_tensor_route_by_default():
     state = GradzipState("topk")
     _, named = _bucket()
