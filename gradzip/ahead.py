@@ -92,7 +92,8 @@ class Package:
         runner = self.runner  # held until the call ends, should the process unload it meanwhile
         if runner is None:
             return None
-        out = runner(*args)
+        with devices.current_for(args[0]):  # its runner launches on the current GPU's current stream
+            out = runner(*args)
         return out[0] if isinstance(out, (list, tuple)) and len(out) == 1 else out
 
     def unload(self) -> None:

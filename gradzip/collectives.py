@@ -102,6 +102,15 @@ class ProcessGroupTransport(Transport):
         return out
 
     @property
+    def known_device(self) -> Optional[torch.device]:
+        """Where this rank's exchanges went (the last one's device), else the group's own GPU
+        (``init_process_group(device_id=...)``); None where neither says."""
+        if self.exchanged_on is not None:
+            return self.exchanged_on
+        bound = getattr(self.group or dist.group.WORLD, "bound_device_id", None)
+        return bound if bound is not None and self.backends.get(bound.type, "gloo") != "gloo" else None
+
+    @property
     def device(self):
         """Where this rank's collectives outside a step (checkpoints) take their tensors: where its
         exchanges' went, once there was one; before, the group's own device (``init_process_group(
@@ -109,11 +118,9 @@ class ProcessGroupTransport(Transport):
         backend (NCCL, alone or beside gloo), else the CPU.  Not the current device first: a rank that
         put its model on its GPU without ``torch.cuda.set_device``, or gradzip's own thread, has GPU 0
         current, and NCCL refuses two ranks of a machine on one GPU."""
-        if self.exchanged_on is not None:
-            return self.exchanged_on
-        bound = getattr(self.group or dist.group.WORLD, "bound_device_id", None)
-        if bound is not None and self.backends.get(bound.type, "gloo") != "gloo":
-            return bound
+        known = self.known_device
+        if known is not None:
+            return known
         if self.backends.get("cuda", "gloo") != "gloo" and torch.cuda.is_available():
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")

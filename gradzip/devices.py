@@ -10,8 +10,9 @@ Each takes a tensor or a device.  This module sits beside :mod:`gradzip.bits`: i
 """
 from __future__ import annotations
 
+import contextlib
 import platform
-from typing import Union
+from typing import Sequence, Union
 
 import torch
 
@@ -29,6 +30,23 @@ def cuda(where: Where) -> bool:
     """On a CUDA device: exchanges there run on a side stream ordered by events, a flag the host reads
     later goes through pinned memory, the bucket route is the default, and NCCL's device is the state's."""
     return _type(where) == "cuda"
+
+
+def current_for(where: Where):
+    """A context in which ``where``'s GPU is the current one (elsewhere: nothing).  AOTInductor's runner
+    launches on the current stream of the current GPU, whatever its tensors' device: a thread whose
+    current GPU is another (gradzip's own starts on GPU 0) would launch there."""
+    return torch.cuda.device(torch.device(where) if not isinstance(where, torch.Tensor) else where.device) \
+        if cuda(where) else contextlib.nullcontext()
+
+
+def read_here(tensors: Sequence[torch.Tensor]) -> None:
+    """Tell the caching allocator that the current stream reads these GPU tensors, which another stream
+    made: freed, their memory then waits for this stream's work queued so far instead of going back to
+    the other stream at once, where it could be written before this one has read it (CPU: nothing)."""
+    for t in tensors:
+        if cuda(t):
+            t.record_stream(torch.cuda.current_stream(t.device))
 
 
 def compile_target(where: Where) -> str:

@@ -898,9 +898,13 @@ class GradzipState:
         self.loaded = True
 
     def _device_of_state(self) -> Optional[torch.device]:
-        """Where this rank's state lives (its CUDA device under NCCL), for tensors gathered on CPUs."""
-        if isinstance(self._transport, ProcessGroupTransport) and not devices.host_memory(self._transport.device):
-            return self._transport.device
+        """Where this rank's state lives (its CUDA device under NCCL), for tensors gathered on CPUs; None
+        where no exchange nor the group has said: not the current GPU, GPU 0 of every rank that did not
+        set one (its gradients' device places the state at its first exchange)."""
+        if isinstance(self._transport, ProcessGroupTransport):
+            known = self._transport.known_device
+            if known is not None and not devices.host_memory(known):
+                return known
         return None
 
     def _on_thread(self, fn: Callable):

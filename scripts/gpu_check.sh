@@ -15,7 +15,7 @@ set -euo pipefail
 OUT_DIR=${OUT:-/tmp/gradzip_gpu}
 # The bucket route's tests by name: a bare "bucket" also picks the GPT scripts' bucket_view feature, whose
 # torchrun plan runs every method (it took most of a 170 s budget on 2026-11-27).
-GPU_TESTS=${GPU_TESTS:-"sync_debug or bucket_route or bucket_draws or bucket_kernels or state_loaded or links_timed or nccl_alone"}
+GPU_TESTS=${GPU_TESTS:-"sync_debug or bucket_route or bucket_draws or bucket_kernels or state_loaded or links_timed or nccl_alone or overlapped_diloco or callers_stream"}
 PYTHON=${PYTHON:-python}
 STEP_ARGS=${STEP_ARGS:-"--steps 15 --warmup 2 --profile-steps 1"}  # more options for bench step
 STEP_TIMEOUT=${STEP_TIMEOUT:-420}  # a method whose kernels compile ahead waits for them (tens of seconds each, once)

@@ -158,6 +158,26 @@ def test_a_torch_without_backend_configs_names_one_backend(monkeypatch):
         assert collectives.backends_of() == want
 
 
+def test_a_state_loaded_before_any_exchange_is_not_put_on_the_current_gpu(monkeypatch, tmp_path):
+    """Under a GPU backend, before its first exchange and with no device bound to the group, a rank
+    does not know its GPU: the current one is GPU 0 on every rank that never set one.  A state loaded
+    then stays where it was read until its gradients place it (checkpoint gathers still take the
+    current GPU, having no other).  On this CPU the backend and the GPU are pretended."""
+    from gradzip.collectives import ProcessGroupTransport
+    saved = _trained_state(0).state_dict()
+    with one_rank_group("gloo", tmp_path):
+        transport = ProcessGroupTransport()  # what a group of several ranks gives
+        resumed = GradzipState("topk", ratio=0.25, transport=transport)
+        monkeypatch.setattr(transport, "backends", {"cpu": "gloo", "cuda": "nccl"})
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        assert isinstance(transport, ProcessGroupTransport) and transport.known_device is None
+        assert transport.device == torch.device("cuda", 0)
+        resumed.load_state_dict(saved)  # a CPU build cannot put a tensor on cuda:0: this raised
+        assert resumed._unplaced == {"w", "b"} and resumed.tensors["w"]["residual"].device.type == "cpu"
+        resumed.close()
+
+
 def test_a_state_placed_by_no_group_follows_its_gradients_once():
     """Loaded at world size 1 (no group to say where the gradients live), each key's state is moved to its
     gradients' device at its first exchange and never looked at again (the move itself needs a GPU:

@@ -178,7 +178,7 @@ class DiLoCo:
                 names = [name for name, _ in named]
                 # compiles=False: a kernel compiled in-process meanwhile would change how the inner steps
                 # running beside the exchange round (torch.compiler.is_compiling() is process-wide)
-                self._pending = (due, t, self.state.submit(deltas, functools.partial(self._outer_step, names),
+                self._pending = (due, t, self.state.submit(deltas, functools.partial(self._outer_step_written, names),
                                                            compiles=False))
             else:
                 self._load(named, self._exchange(deltas, t))
@@ -219,6 +219,13 @@ class DiLoCo:
             self.theta[name].add_(update, alpha=-self.outer_lr)
         return False
 
+    def _outer_step_written(self, names: list, means: list) -> tuple:
+        """:meth:`_outer_step` under ``overlap``: (whether it skipped, the tensors it may have written).
+        Those tensors are what orders a CUDA-aware future: waiting on it makes the waiter's stream wait
+        for the writes of gradzip's stream to the devices of the tensors in its value, and a bool has none."""
+        return self._outer_step(names, means), [self.theta[n] for n in names] + [self.momentum[n] for n in names
+                                                                                 if n in self.momentum]
+
     def _load(self, named: list, skipped: bool, alpha: float = 0.0) -> None:
         """Every replica takes theta_g for these tensors (mixed with its own by ``alpha``; not after a
         skipped exchange)."""
@@ -235,7 +242,7 @@ class DiLoCo:
             return None
         _, step, fut = self._pending
         try:
-            return fut.wait()
+            return fut.wait()[0]
         except RuntimeError as exc:
             self._pending = None
             raise self._failed(exc, step) from exc
@@ -315,5 +322,5 @@ class DiLoCo:
         self._pending = None
         if state.get("pending"):
             done: torch.futures.Future = torch.futures.Future()
-            done.set_result(bool(state["pending_skipped"]))
+            done.set_result((bool(state["pending_skipped"]), []))  # as _outer_step_written's
             self._pending = (tuple(int(f) for f in state["pending"]), int(state["pending_step"]), done)

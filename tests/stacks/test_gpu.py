@@ -313,3 +313,81 @@ def test_auto_agrees_through_a_group_of_nccl_alone(tmp_path):
             assert all(torch.isfinite(g).all() for _, g in named)
         assert state.stats()["exchanges"] > 0 and all(state.compressor.describe(state.tensors)["choices"].values())
         state.close()
+
+
+# -- streams: what gradzip's stream writes or reads, ordered against the caller's ----------------------
+
+#: About 0.1 s of one GPU's time (``torch.cuda._sleep`` counts clock cycles): long beside the host's work.
+_SLEEP_CYCLES = 200_000_000
+
+
+def test_overlapped_diloco_merges_the_outer_step_it_waited_for():
+    """Under ``overlap`` the outer step writes theta_g on gradzip's stream; the merge copies it into the
+    replica on the caller's.  Held back on the GPU just before its writes, the outer step still comes
+    before the merge: the future the merge waits on carries the tensors written, so the caller's stream
+    waits for them (a bool would carry no device to wait for)."""
+    import gradzip
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)).cuda()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    diloco = gradzip.DiLoCo(model, inner, sync_every=2, overlap=True, outer_momentum=0.0)
+
+    class HeldBack(dict):
+        def __getitem__(self, name):  # the outer step's writes, on gradzip's stream, wait on the GPU
+            if torch.cuda.current_stream() != torch.cuda.default_stream():
+                torch.cuda._sleep(_SLEEP_CYCLES)
+            return super().__getitem__(name)
+
+    diloco.theta = HeldBack(diloco.theta)
+    before = {n: t.clone() for n, t in diloco.theta.items()}
+    x = torch.randn(32, 64, device="cuda")
+    for _ in range(3):  # the second step starts the exchange, the third merges it
+        inner.zero_grad()
+        model(x).square().mean().backward()
+        inner.step()
+        diloco.step()
+    torch.cuda.synchronize()
+    for name, p in model.named_parameters():
+        assert not torch.equal(dict.__getitem__(diloco.theta, name), before[name]), name  # the outer step moved it
+        assert torch.equal(p, dict.__getitem__(diloco.theta, name)), f"{name}: merged a theta_g it did not wait for"
+    diloco.close()
+
+
+def test_a_state_loaded_on_the_callers_stream_is_read_before_its_memory_is_reused():
+    """A CUDA state loaded in the caller's thread (on its stream) is copied into the bucket's flat
+    state on gradzip's stream, and then let go of.  With gradzip's stream held back on the GPU and the
+    caller writing fresh tensors of the same sizes meanwhile, the exchanges still continue bit for bit:
+    the caching allocator kept the loaded memory until gradzip's stream had read it."""
+    import time
+
+    from gradzip.state import GradzipState
+
+    params = {"ratio": 0.3, "bucketed": True}
+    going = GradzipState("topk", **params)
+    for step in range(2):
+        named = _cuda_bucket(step)
+        going.exchange(named, out=[g for _, g in named])
+    saved = going.state_dict()
+    sizes = [v.shape for slot in saved["tensors"].values() for v in slot.values() if isinstance(v, torch.Tensor)]
+    resumed = GradzipState("topk", **params)
+    resumed.load_state_dict(saved)  # clones, on the caller's stream
+    del saved
+    held = resumed._stream_for
+
+    def held_back(device, ready):
+        context = held(device, ready)  # its stream, after what the caller queued before submitting
+        with torch.cuda.stream(context.stream):
+            torch.cuda._sleep(_SLEEP_CYCLES)
+        return context
+
+    resumed._stream_for = held_back
+    named, again = _cuda_bucket(2), _cuda_bucket(2)
+    fut = resumed.submit(again, lambda out: out, out=[g for _, g in again])
+    time.sleep(0.03)  # the host side of the exchange has let the loaded tensors go; the GPU has not read them
+    scribbled = [torch.full(s, 1e6, device="cuda") for s in sizes for _ in range(4)]
+    fut.wait()
+    going.exchange(named, out=[g for _, g in named])
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(named, again))
+    del scribbled
+    resumed.close()
