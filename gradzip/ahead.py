@@ -17,7 +17,8 @@ package's name, so no process tries it again (delete the file to retry).
 
 Packages are compiled with Inductor's eager-numerics options (no contracted multiply-adds, division and
 denormals as eager): a kernel gives its reference path's bits, so a run does not depend on when its
-compiles finished.  A package is named by a digest of the kernel, its constants, the form, the options,
+compiles finished.  A CPU's package, which only tests and checks build, has its wrapper (the host code
+around the loops) compiled at -O0 (:func:`gradzip.devices.optimises_ahead_wrapper`).  A package is named by a digest of the kernel, its constants, the form, the options,
 torch's version, what it is compiled for (:func:`gradzip.devices.compile_target`: a CPU's instruction
 set, a GPU's compute capability) and every source file of gradzip, so changed code compiles again.
 
@@ -440,7 +441,7 @@ def _same(a: torch.Tensor, b: torch.Tensor, ordered: bool = True) -> bool:
         return False
     # the same bits where not NaN (signs of zeros too): eight times as fast as selecting those elements
     bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    return torch.equal(a.masked_fill(nan, 0).view(bits), b.masked_fill(nan, 0).view(bits))
+    return torch.equal(a.view(bits).masked_fill(nan, 0), b.view(bits).masked_fill(nan, 0))  # fp8 has no masked_fill
 
 
 def _unpack_in_scratch() -> None:

@@ -129,10 +129,7 @@ class _Bucket:
             parts = [c.reshape(-1).to(self.layout.device, torch.float32) if c is not None and c.shape == w else
                      torch.zeros(w.numel(), dtype=torch.float32, device=self.layout.device)
                      for c, w in zip(current, wanted) if w is not None]
-            flat = torch.cat(parts)
-            # what was loaded on the caller's stream goes as its views replace it, before this stream has read it
-            devices.read_here([c for c in current if c is not None])
-            self._keep(name, flat, wanted, tensors)
+            self._keep(name, torch.cat(parts), wanted, tensors)
         return dict(self.flat)
 
     def _keep(self, name: str, flat: torch.Tensor, shapes, tensors: dict) -> None:

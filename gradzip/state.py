@@ -230,6 +230,7 @@ class GradzipState:
         self.loaded = False
         #: Keys of a state loaded where no group said where the gradients live: moved to them once.
         self._unplaced: set = set()
+        self._loaded_here: list = []  # loaded tensors the caller's stream made, for gradzip's stream to record reading
         _LIVE.add(self)
         _install_teardown()
         if transport is None and dist.is_available() and dist.is_initialized():
@@ -645,6 +646,9 @@ class GradzipState:
         try:
             with self._stream_for(device, ready), contextlib.nullcontext() if compiles else kernels.compiled_only():
                 started = time.perf_counter()
+                if self._loaded_here:  # read here, then let go by either route: not reused before read
+                    devices.read_here(self._loaded_here)
+                    self._loaded_here = []
                 aggregates = self.exchange(named, out)
                 report = self.last_report
                 self.record_bucket(named, exchanges=1, queued_s=started - submitted, compress_s=report.compress_s,
@@ -893,6 +897,7 @@ class GradzipState:
         self.tensors = {k: {n: v.to(device) if device is not None and not host(n) else v.clone()
                             for n, v in slot.items()} for k, slot in state["tensors"].items()}
         self._unplaced = set(self.tensors) if device is None else set()
+        self._loaded_here = [v for slot in self.tensors.values() for v in slot.values() if isinstance(v, torch.Tensor)]
         self.totals.update(state.get("totals", {}))
         self._route = BucketRoute()  # its flat state is rebuilt from the loaded tensors
         self.loaded = True

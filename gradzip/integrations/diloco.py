@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import devices
 from ..compressors import make
 from ..state import GradzipState
 
@@ -178,7 +179,8 @@ class DiLoCo:
                 names = [name for name, _ in named]
                 # compiles=False: a kernel compiled in-process meanwhile would change how the inner steps
                 # running beside the exchange round (torch.compiler.is_compiling() is process-wide)
-                self._pending = (due, t, self.state.submit(deltas, functools.partial(self._outer_step_written, names),
+                on = next((d.device for _, d in deltas if devices.cuda(d)), None)  # the future's device
+                self._pending = (due, t, self.state.submit(deltas, functools.partial(self._outer_step_written, names, on),
                                                            compiles=False))
             else:
                 self._load(named, self._exchange(deltas, t))
@@ -219,12 +221,13 @@ class DiLoCo:
             self.theta[name].add_(update, alpha=-self.outer_lr)
         return False
 
-    def _outer_step_written(self, names: list, means: list) -> tuple:
-        """:meth:`_outer_step` under ``overlap``: (whether it skipped, the tensors it may have written).
-        Those tensors are what orders a CUDA-aware future: waiting on it makes the waiter's stream wait
-        for the writes of gradzip's stream to the devices of the tensors in its value, and a bool has none."""
-        return self._outer_step(names, means), [self.theta[n] for n in names] + [self.momentum[n] for n in names
-                                                                                 if n in self.momentum]
+    def _outer_step_written(self, names: list, device, means: list) -> tuple:
+        """:meth:`_outer_step` under ``overlap``: (whether it skipped, the tensors it may have written on
+        ``device``, the future's GPU).  Those tensors are what orders a CUDA-aware future: waiting on it
+        makes the waiter's stream wait for gradzip's stream's writes to the devices of the tensors in its
+        value, and a bool has none (one on another GPU than the future's it refuses)."""
+        written = [self.theta[n] for n in names] + [self.momentum[n] for n in names if n in self.momentum]
+        return self._outer_step(names, means), [t for t in written if t.device == device]
 
     def _load(self, named: list, skipped: bool, alpha: float = 0.0) -> None:
         """Every replica takes theta_g for these tensors (mixed with its own by ``alpha``; not after a

@@ -353,13 +353,15 @@ def test_overlapped_diloco_merges_the_outer_step_it_waited_for():
     diloco.close()
 
 
-def test_a_state_loaded_on_the_callers_stream_is_read_before_its_memory_is_reused():
-    """A CUDA state loaded in the caller's thread (on its stream) is copied into the bucket's flat
-    state on gradzip's stream, and then let go of.  With gradzip's stream held back on the GPU and the
-    caller writing fresh tensors of the same sizes meanwhile, the exchanges still continue bit for bit:
-    the caching allocator kept the loaded memory until gradzip's stream had read it."""
-    import time
+def test_a_state_loaded_on_the_callers_stream_is_read_before_its_memory_is_reused(monkeypatch):
+    """A CUDA state loaded in the caller's thread (on its stream) is copied into the bucket's flat state
+    on gradzip's stream, and let go of at once on the host.  With gradzip's stream held back on the GPU
+    just before that copy, fresh tensors the caller makes meanwhile do not get the loaded tensors'
+    memory (the caching allocator waits for gradzip's stream to have read it), and the exchange
+    continues bit for bit."""
+    import threading
 
+    from gradzip import buckets
     from gradzip.state import GradzipState
 
     params = {"ratio": 0.3, "bucketed": True}
@@ -367,27 +369,30 @@ def test_a_state_loaded_on_the_callers_stream_is_read_before_its_memory_is_reuse
     for step in range(2):
         named = _cuda_bucket(step)
         going.exchange(named, out=[g for _, g in named])
-    saved = going.state_dict()
-    sizes = [v.shape for slot in saved["tensors"].values() for v in slot.values() if isinstance(v, torch.Tensor)]
     resumed = GradzipState("topk", **params)
-    resumed.load_state_dict(saved)  # clones, on the caller's stream
-    del saved
-    held = resumed._stream_for
+    resumed.load_state_dict(going.state_dict())  # clones, on the caller's stream
+    loaded = [t for slot in resumed.tensors.values() for t in slot.values() if isinstance(t, torch.Tensor) and t.numel()]
+    spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in loaded]
+    sizes = [t.shape for t in loaded]
+    del loaded
+    original, copied = buckets._Bucket.load, threading.Event()
 
-    def held_back(device, ready):
-        context = held(device, ready)  # its stream, after what the caller queued before submitting
-        with torch.cuda.stream(context.stream):
+    def held_back(self, tensors, shapes):
+        if torch.cuda.current_stream() != torch.cuda.default_stream():  # gradzip's stream
             torch.cuda._sleep(_SLEEP_CYCLES)
-        return context
+        result = original(self, tensors, shapes)
+        copied.set()  # on the host: the loaded tensors are let go of; on the GPU, not yet read
+        return result
 
-    resumed._stream_for = held_back
+    monkeypatch.setattr(buckets._Bucket, "load", held_back)
     named, again = _cuda_bucket(2), _cuda_bucket(2)
     fut = resumed.submit(again, lambda out: out, out=[g for _, g in again])
-    time.sleep(0.03)  # the host side of the exchange has let the loaded tensors go; the GPU has not read them
+    assert copied.wait(30)
     scribbled = [torch.full(s, 1e6, device="cuda") for s in sizes for _ in range(4)]
+    reused = [(t.data_ptr(), lo) for t in scribbled for lo, hi in spans if lo <= t.data_ptr() < hi]
     fut.wait()
     going.exchange(named, out=[g for _, g in named])
     torch.cuda.synchronize()
+    assert not reused, "the caller's fresh tensors took memory gradzip's stream had not read yet"
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(named, again))
-    del scribbled
     resumed.close()
