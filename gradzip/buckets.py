@@ -172,10 +172,12 @@ def _finite(x: torch.Tensor) -> torch.Tensor:
 def _one_run(grads: Sequence[torch.Tensor], layout: BucketLayout, storage) -> bool:
     """Whether the gradients lie end to end within the first one's storage (tensors allocated apart may
     also lie end to end: a GPU's caching allocator cuts them from one segment)."""
-    base, size = grads[0].data_ptr(), grads[0].element_size()
-    if not storage.data_ptr() <= base <= base + layout.numel * size <= storage.data_ptr() + storage.nbytes():
+    size = grads[0].element_size()
+    base = storage.data_ptr() + grads[0].storage_offset() * size  # an empty tensor's data_ptr is 0
+    if base + layout.numel * size > storage.data_ptr() + storage.nbytes():
         return False
-    return all(g.is_contiguous() and g.data_ptr() == base + offset * size for g, offset in zip(grads, layout.offsets))
+    return all(g.is_contiguous() and (g.data_ptr() == base + offset * size or not g.numel())
+               for g, offset in zip(grads, layout.offsets))
 
 
 class BucketRoute:

@@ -349,6 +349,25 @@ def test_gradients_apart_but_end_to_end_are_copied_not_viewed():
         moved[2] = (moved[2][0], moved[2][1] + 1.0)
 
 
+def test_a_run_with_empty_gradients_is_still_viewed(monkeypatch):
+    """Empty gradients in DDP's bucket (first, or among the others) hold no data and have no address
+    (``data_ptr`` 0): the others still lie end to end, and the input is a view of them."""
+    from gradzip import buckets
+    named = _bucket(seed=4)[1]  # an empty tensor among them
+    named = [("first", torch.empty(0))] + named
+    run = torch.cat([g.reshape(-1) for _, g in named])
+    views, at = [], 0
+    for key, g in named:
+        views.append((key, run[at:at + g.numel()].view(g.shape)))
+        at += g.numel()
+    state, reference = GradzipState("topk", bucketed=True, ratio=0.3), GradzipState("topk", bucketed=False, ratio=0.3)
+    want = reference.exchange([(k, g.clone()) for k, g in views])
+    flat, seen = buckets._Bucket.flat_input, []
+    monkeypatch.setattr(buckets._Bucket, "flat_input", lambda self, grads: seen.append(flat(self, grads)) or seen[-1])
+    got = state.exchange(views)
+    assert seen[0].data_ptr() == run.data_ptr() and all(torch.equal(x, y) for x, y in zip(got, want))
+
+
 def test_cpu_gradients_keep_the_per_tensor_route_by_default():
     state = GradzipState("topk")
     _, named = _bucket()
