@@ -313,6 +313,9 @@ class GradzipState:
         """
         if out is not None and len(out) != len(named_grads):
             raise ValueError(f"exchange: out has {len(out)} tensors for {len(named_grads)} gradients")
+        if self._loaded_here:  # read on this stream, then let go by either route: not reused before
+            devices.read_here(self._loaded_here)
+            self._loaded_here = []
         method = self._bucket_method(named_grads)
         if method is not None:
             return self._route.exchange(self, named_grads, out, method)
@@ -646,9 +649,6 @@ class GradzipState:
         try:
             with self._stream_for(device, ready), contextlib.nullcontext() if compiles else kernels.compiled_only():
                 started = time.perf_counter()
-                if self._loaded_here:  # read here, then let go by either route: not reused before read
-                    devices.read_here(self._loaded_here)
-                    self._loaded_here = []
                 aggregates = self.exchange(named, out)
                 report = self.last_report
                 self.record_bucket(named, exchanges=1, queued_s=started - submitted, compress_s=report.compress_s,
@@ -897,7 +897,8 @@ class GradzipState:
         self.tensors = {k: {n: v.to(device) if device is not None and not host(n) else v.clone()
                             for n, v in slot.items()} for k, slot in state["tensors"].items()}
         self._unplaced = set(self.tensors) if device is None else set()
-        self._loaded_here = [v for slot in self.tensors.values() for v in slot.values() if isinstance(v, torch.Tensor)]
+        self._loaded_here = [v for slot in self.tensors.values() for v in slot.values()
+                             if isinstance(v, torch.Tensor) and devices.cuda(v)]
         self.totals.update(state.get("totals", {}))
         self._route = BucketRoute()  # its flat state is rebuilt from the loaded tensors
         self.loaded = True
