@@ -22,8 +22,12 @@ __all__ = ["cuda", "runs_kernels_ahead", "optimises_ahead_wrapper", "host_memory
 Where = Union[torch.Tensor, torch.device, str]
 
 
+def _device(where: Where) -> torch.device:
+    return where.device if isinstance(where, torch.Tensor) else torch.device(where)
+
+
 def _type(where: Where) -> str:
-    return (where.device if isinstance(where, torch.Tensor) else torch.device(where)).type
+    return _device(where).type
 
 
 def cuda(where: Where) -> bool:
@@ -36,8 +40,7 @@ def current_for(where: Where):
     """A context in which ``where``'s GPU is the current one (elsewhere: nothing).  AOTInductor's runner
     launches on the current stream of the current GPU, whatever its tensors' device: a thread whose
     current GPU is another (gradzip's own starts on GPU 0) would launch there."""
-    return torch.cuda.device(torch.device(where) if not isinstance(where, torch.Tensor) else where.device) \
-        if cuda(where) else contextlib.nullcontext()
+    return torch.cuda.device(_device(where)) if cuda(where) else contextlib.nullcontext()
 
 
 def read_here(tensors: Sequence[torch.Tensor]) -> None:

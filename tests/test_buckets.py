@@ -314,6 +314,16 @@ def test_a_regrouped_bucket_still_takes_back_its_skipped_step():
         assert set(state.state_dict()["steps"].values()) == {1}, bucketed
 
 
+def _end_to_end(named: list) -> tuple:
+    """(one flat run of the gradients, views of it named and shaped as they are), as DDP's bucket views."""
+    run = torch.cat([g.reshape(-1) for _, g in named])
+    views, at = [], 0
+    for key, g in named:
+        views.append((key, run[at:at + g.numel()].view(g.shape)))
+        at += g.numel()
+    return run, views
+
+
 def _apart_end_to_end(named: list) -> list:
     """The same gradients, each in a storage of its own, lying end to end in memory (as a GPU's caching
     allocator cuts separate tensors from one segment)."""
@@ -336,11 +346,7 @@ def test_gradients_apart_but_end_to_end_are_copied_not_viewed():
         got = state.exchange(apart)
         assert all(torch.equal(x, y) for x, y in zip(got, reference.exchange(named)))
     named = [(k, g) for k, g in _bucket(seed=3)[1] if g.numel()]
-    run = torch.cat([g.reshape(-1) for _, g in named])
-    views, at = [], 0
-    for key, g in named:
-        views.append((key, run[at:at + g.numel()].view(g.shape)))
-        at += g.numel()
+    _, views = _end_to_end(named)
     moved = [(k, g) for k, g in views]
     for _ in range(2):  # one run, then its third tensor elsewhere with the first and last where they were
         got = state.exchange(moved)
@@ -355,11 +361,7 @@ def test_a_run_with_empty_gradients_is_still_viewed(monkeypatch):
     from gradzip import buckets
     named = _bucket(seed=4)[1]  # an empty tensor among them
     named = [("first", torch.empty(0))] + named
-    run = torch.cat([g.reshape(-1) for _, g in named])
-    views, at = [], 0
-    for key, g in named:
-        views.append((key, run[at:at + g.numel()].view(g.shape)))
-        at += g.numel()
+    run, views = _end_to_end(named)
     state, reference = GradzipState("topk", bucketed=True, ratio=0.3), GradzipState("topk", bucketed=False, ratio=0.3)
     want = reference.exchange([(k, g.clone()) for k, g in views])
     flat, seen = buckets._Bucket.flat_input, []
