@@ -140,6 +140,15 @@ def backends_of(group: Optional[dist.ProcessGroup] = None) -> dict:
     return dict(item.split(":", 1) for item in config.split(","))
 
 
+def issues_beside_other_groups(group: Optional[dist.ProcessGroup], device: torch.device) -> bool:
+    """Whether ``device``'s collectives on ``group`` may be issued from one thread while another
+    thread issues collectives on another group, in an order that may differ between ranks.  gloo:
+    yes, each group's collectives run on threads of their own and wait only for their own peers.
+    NCCL (and any other backend): no; PyTorch documents concurrent NCCL groups as unsafe, since a
+    kernel of one communicator can occupy the GPU while its peers' waits behind one of the other's."""
+    return backends_of(group).get(device.type) == "gloo"
+
+
 class ThreadGroup:
     """N workers as N threads of one process, with exact collectives (sums in rank order).
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.parallel.distributed import _find_tensors
 
-from .. import devices
+from .. import collectives, devices
 from ..state import GradzipState
 from .momentum_guard import guard_momentum
 
@@ -208,8 +208,13 @@ def ddp_comm_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures
     named = list(zip(_names(state, bucket.parameters()), grads))
     dense_group = state.dense_group
     wire = state.plain_allreduce_dtype(named) if dense_group is not None else None
-    if wire is not None:
-        if state.always_plain_dtype(buffer.dtype) == wire:
+    always = wire is not None and state.always_plain_dtype(buffer.dtype) == wire
+    # A bucket that is plain only for now (warm-up, tensors the method leaves alone, auto's choice)
+    # shares its steps with buckets on gradzip's thread, which runs behind the hook: issued here, two
+    # groups would have collectives in flight in an order that differs between ranks, which only
+    # gloo takes safely.  Elsewhere (NCCL) it goes to the thread like the others, in bucket order.
+    if wire is not None and (always or collectives.issues_beside_other_groups(dense_group, buffer.device)):
+        if always:
             state.always_plain[(bucket.index(), buffer.data_ptr(), buffer.numel())] = (
                 tuple(key for key, _ in named), sum(g.numel() for g in grads), buffer.element_size(), wire)
         state.record_dense(named, wire)
