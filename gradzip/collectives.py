@@ -61,6 +61,10 @@ class Transport:
         """Where this transport's collectives take their tensors."""
         return torch.device("cpu")
 
+    def issues_beside_other_groups(self, device: torch.device) -> bool:
+        """:func:`issues_beside_other_groups` of this transport's group (one process: nothing to mismatch)."""
+        return True
+
 
 class LocalTransport(Transport):
     """World size 1: compression and feedback still apply, nothing is exchanged."""
@@ -100,6 +104,9 @@ class ProcessGroupTransport(Transport):
         else:  # into a list, NCCL gathers into a flat buffer of its own and copies each rank's part out:
             _all_gather_single(out.view(-1), flat.reshape(-1), group=self.group)  # a kernel per rank
         return out
+
+    def issues_beside_other_groups(self, device):
+        return issues_beside_other_groups(self.group, device)
 
     @property
     def known_device(self) -> Optional[torch.device]:

@@ -238,34 +238,3 @@ def test_auto_runs_a_chosen_half_cast_without_feedback_on_ddps_path():
         assert own[1]["plain_allreduces"] == 0
         assert plain[1]["always_plain"] == 0  # auto's choice may change: decided step by step
 
-
-def mixed_steps_on_pretended_nccl(rank, world, method, params):
-    """Buckets plain in some steps beside buckets on gradzip's thread: over gloo, DDP's group takes
-    the plain ones; with DDP's group pretended to be NCCL, gradzip's thread takes them all."""
-    on_gloo = _train(rank, method, plain=True, **params)
-    backends_of = gradzip.collectives.backends_of
-    ddp_group = dist.group.WORLD  # DDP's, where register() lets the hook allreduce
-
-    def pretended(group=None):
-        return {"cuda": "nccl", "cpu": "nccl"} if group is None or group is ddp_group else backends_of(group)
-
-    gradzip.collectives.backends_of = pretended
-    try:
-        on_nccl = _train(rank, method, plain=True, **params)
-        always = _train(rank, "fp16", plain=True)  # plain for ever: DDP's group even on NCCL
-    finally:
-        gradzip.collectives.backends_of = backends_of
-    own = _train(rank, method, plain=False, **params)
-    return on_gloo, on_nccl, always, own
-
-
-def test_on_nccl_buckets_plain_only_for_a_step_go_through_gradzips_thread():
-    results = run_workers(mixed_steps_on_pretended_nccl, 2, "powersgd", {"dense_steps": 2})
-    for on_gloo, on_nccl, always, own in results:
-        # Over gloo the dense steps go through DDP's group, the others through gradzip's thread ...
-        assert 0 < on_gloo[1]["plain_allreduces"] < on_gloo[1]["exchanges"]
-        # ... which on NCCL go through gradzip's thread alone, with the same numbers as its own exchange.
-        assert on_nccl[1]["plain_allreduces"] == 0 and on_nccl[1]["exchanges"] == own[1]["exchanges"]
-        assert torch.equal(on_nccl[0], own[0])
-        assert always[1]["plain_allreduces"] == always[1]["exchanges"] > 0
-    assert torch.equal(results[0][1][0], results[1][1][0])

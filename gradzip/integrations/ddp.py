@@ -224,6 +224,12 @@ def ddp_comm_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures
 
     # The aggregates are written into the gradients' views of the bucket's buffer, which DDP reads.
     fut = state.submit(named, lambda aggregates: buffer, out=grads)
+    if bucket.is_last() and not state.transport.issues_beside_other_groups(buffer.device):
+        # DDP's reducer issues collectives of its own on its group once the last bucket's hook returns
+        # (the map of used parameters, with find_unused_parameters) while gradzip's thread may still be
+        # issuing earlier buckets': on NCCL, two groups in flight in an order that differs between ranks.
+        # The hook returns once the thread has issued them all; backward's end waits for them anyway.
+        fut.wait()
     state.record_bucket(named, hook_s=time.perf_counter() - start)  # the thread counts the exchange
     return fut
 
