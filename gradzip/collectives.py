@@ -147,6 +147,32 @@ def backends_of(group: Optional[dist.ProcessGroup] = None) -> dict:
     return dict(item.split(":", 1) for item in config.split(","))
 
 
+def default_group_timeout():
+    """The timeout given to ``init_process_group``: ``new_group()`` without one takes the backend's
+    default (30 minutes for gloo), so a dead peer would hang gradzip's collectives that long."""
+    world = dist.group.WORLD
+    for device_type in getattr(world, "_device_types", ()) or (torch.device("cpu"),):
+        try:
+            return world._get_backend(torch.device(device_type)).options._timeout
+        except (AttributeError, RuntimeError):  # a backend without options
+            continue
+    return None
+
+
+def group_of_ranks(group: dist.ProcessGroup) -> tuple[dist.ProcessGroup, bool]:
+    """A new process group of ``group``'s ranks (its backends, the default group's timeout), and
+    whether it may be destroyed before the job ends.  A group of every rank is made by every rank, and
+    may.  A subgroup's (DDP over one of several data-parallel groups) is made by its ranks alone, and
+    may not: torch names such a group from its ranks, so one made again after it was destroyed would
+    meet the first one's rendezvous keys in the store."""
+    config = str(dist.get_backend_config(group))
+    backend = None if "undefined" in config else config
+    if dist.get_world_size(group) == dist.get_world_size():
+        return dist.new_group(timeout=default_group_timeout(), backend=backend), True
+    return dist.new_group(dist.get_process_group_ranks(group), timeout=default_group_timeout(), backend=backend,
+                          use_local_synchronization=True), False
+
+
 def issues_beside_other_groups(group: Optional[dist.ProcessGroup], device: torch.device) -> bool:
     """Whether ``device``'s collectives on ``group`` may be issued from one thread while another
     thread issues collectives on another group, in an order that may differ between ranks.  gloo:

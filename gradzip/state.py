@@ -28,7 +28,7 @@ from . import feedback as _feedback
 from . import kernels
 from .kernels import any_nonfinite as _any_nonfinite
 from .buckets import BucketRoute, takes_bucket_route
-from .collectives import ProcessGroupTransport, Transport, run_lockstep, transport_for
+from .collectives import ProcessGroupTransport, Transport, default_group_timeout, run_lockstep, transport_for
 from .compressors import make
 from .compressors.base import SPARE, Compressor, TensorContext
 
@@ -253,7 +253,7 @@ class GradzipState:
         if group is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             # A process group of gradzip's own (same ranks and backend as the default group): its
             # collectives, issued from the communication thread, never interleave with the script's.
-            group = self._own_group = dist.new_group(timeout=_default_group_timeout())
+            group = self._own_group = dist.new_group(timeout=default_group_timeout())
             if self.dense_group is None:
                 # The default group is the one this state averages over, so a DDP hook handed this state
                 # directly (Lightning) may run plain allreduces there; ``register`` gives DDP's own.
@@ -697,6 +697,11 @@ class GradzipState:
                                    "(a collective is waiting for a peer that has stopped)")
         self._release_group()
 
+    def adopt_group(self, group: Optional[dist.ProcessGroup]) -> None:
+        """Destroy ``group``, made for this state by an integration (None: nothing), at :meth:`close`."""
+        if group is not None:
+            self._own_group = group
+
     def _release_group(self) -> None:
         group, self._own_group = self._own_group, None
         if group is not None and _registered(group):
@@ -994,18 +999,6 @@ def _described(info: dict) -> str:
 def _registered(group: dist.ProcessGroup) -> bool:
     """Whether ``group`` is still a live process group (destroying it twice is an error)."""
     return dist.is_initialized() and group in dist.distributed_c10d._world.pg_map
-
-
-def _default_group_timeout():
-    """The timeout given to ``init_process_group``: ``new_group()`` without one takes the backend's
-    default (30 minutes for gloo), so a dead peer would hang gradzip's collectives that long."""
-    world = dist.group.WORLD
-    for device_type in getattr(world, "_device_types", ()) or (torch.device("cpu"),):
-        try:
-            return world._get_backend(torch.device(device_type)).options._timeout
-        except (AttributeError, RuntimeError):  # a backend without options
-            continue
-    return None
 
 
 # -- teardown ------------------------------------------------------------------------------------------

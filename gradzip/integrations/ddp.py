@@ -44,7 +44,10 @@ def register(ddp_model: DistributedDataParallel, compressor="none", *, group: "O
     feedback on gradients already in that dtype) no hook is installed: DDP averages in C++ and the
     state counts each synced backward step as one plain allreduce of every gradient per dtype.
 
-    gradzip talks over a process group of its own unless ``group`` is given.  The state's keys are
+    gradzip averages over DDP's process group (over ``group`` when given), through a process group of
+    its own with the same ranks: its thread's collectives never meet DDP's own on one group (a given
+    ``group`` other than DDP's is used as it is; the copy of a DDP group of fewer than all ranks lives
+    until ``destroy_process_group()``).  The state's keys are
     the model's parameter names.  Use the state as a context manager, or call ``state.close()``, to
     stop its thread early; otherwise that happens at ``destroy_process_group()`` or interpreter exit.
 
@@ -70,12 +73,18 @@ def register(ddp_model: DistributedDataParallel, compressor="none", *, group: "O
                f"this DDP model already has the communication hook {getattr(hook, '__qualname__', hook)}")
         raise ValueError(f"{had}, and DDP takes one hook per model: keep the state the first register() "
                          "returned, or wrap the module in a new DistributedDataParallel")
+    ddp_group = getattr(ddp_model, "process_group", None)
+    own = None
+    if dist.is_initialized() and ddp_group is not None and (
+            group is ddp_group or (group is None and ddp_group is not dist.group.WORLD)):
+        group, destroyable = collectives.group_of_ranks(ddp_group)
+        own = group if destroyable else None
     state = GradzipState(compressor, group=group, seed=seed, **params)
+    state.adopt_group(own)
     state.param_names = {p: name for name, p in ddp_model.module.named_parameters()}
     # Buckets that are sent densely go through a plain allreduce on DDP's own group, which gradzip's
     # thread never uses (two threads issuing collectives on one group could interleave them differently
     # on different ranks).
-    ddp_group = getattr(ddp_model, "process_group", None)
     gradzip_group = getattr(state.transport, "group", None)
     state.dense_group = ddp_group if ddp_group is not None and ddp_group is not gradzip_group else None
     if resume is not None:
