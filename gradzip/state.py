@@ -223,6 +223,10 @@ class GradzipState:
         #: (``register``: DDP's; else the default group when this state averages over it).
         self.param_names: Optional[dict] = None
         self.dense_group: Optional[dist.ProcessGroup] = None
+        #: Whether CUDA exchanges are issued from the caller's thread, never from gradzip's: where the
+        #: caller's own collectives during backward (SyncBatchNorm's) would otherwise be in flight beside
+        #: gradzip's thread's in an order that differs between ranks (NCCL).  ``register`` sets it.
+        self.issues_inline = False
         #: The DDP hook's buckets that are one plain allreduce for ever (:meth:`always_plain_dtype`), by
         #: (bucket index, buffer address, size): their keys, element count, element size and wire dtype.
         self.always_plain: dict = {}
@@ -659,8 +663,11 @@ class GradzipState:
 
     def _issues_inline(self, named_grads) -> bool:
         """Whether a CUDA bucket's exchange is issued from the caller's thread (DDP's hook) on the
-        state's side stream instead of the communication thread: possible where the bucket route
-        applies, since it never waits for the device (GRADZIP_ISSUE=inline|thread; thread by default)."""
+        state's side stream instead of the communication thread: always where :attr:`issues_inline`
+        says so; else where the bucket route applies, since it never waits for the device, and
+        GRADZIP_ISSUE=inline (thread by default)."""
+        if self.issues_inline:
+            return True
         return os.environ.get("GRADZIP_ISSUE", "thread") == "inline" and self._takes_bucket_route(named_grads)
 
     def _stream_for(self, device, ready):

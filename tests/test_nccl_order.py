@@ -101,3 +101,26 @@ def test_on_nccl_the_last_buckets_hook_returns_once_gradzips_thread_has_issued_e
         assert seen["gloo"] == [False, False, False]  # gloo: no wait (the thread is 0.2 s behind)
         assert torch.equal(seen["gloo params"], seen["nccl params"])
     assert torch.equal(results[0]["nccl params"], results[1]["nccl params"])
+
+
+def syncbn_decisions(rank, world):
+    """Whether register() issues CUDA exchanges from backward's thread: with and without SyncBatchNorm,
+    on gloo and on (pretended) NCCL."""
+    seen = {}
+    for name, context in (("gloo", contextlib.nullcontext), ("nccl", pretended_nccl)):
+        for syncbn in (False, True):
+            ddp = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))
+            if syncbn:  # DDP takes SyncBatchNorm on GPU modules only: put in once DDP is built
+                ddp.module[1] = nn.SyncBatchNorm(4)
+            with context():
+                state = gradzip.register(ddp, "topk")
+            seen[name, syncbn] = state.issues_inline
+            state.close()
+    return seen
+
+
+def test_syncbatchnorm_on_nccl_issues_every_exchange_from_backwards_thread():
+    # SyncBatchNorm's backward allreduces between bucket hooks; on NCCL gradzip's collectives then go
+    # out from that thread too (in program order on every rank), never from its own.
+    for seen in run_workers(syncbn_decisions, 2):
+        assert seen == {("gloo", False): False, ("gloo", True): False, ("nccl", False): False, ("nccl", True): True}

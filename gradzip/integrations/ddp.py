@@ -89,6 +89,11 @@ def register(ddp_model: DistributedDataParallel, compressor="none", *, group: "O
     state.dense_group = ddp_group if ddp_group is not None and ddp_group is not gradzip_group else None
     if resume is not None:
         state.load_state_dict(_saved_state(resume, state.rank))
+    if (any(isinstance(m, torch.nn.SyncBatchNorm) for m in ddp_model.module.modules())
+            and not state.transport.issues_beside_other_groups(torch.device("cuda"))):
+        # SyncBatchNorm's backward allreduces on backward's thread, between bucket hooks: gradzip's
+        # collectives go out from there too, so that every rank issues both in program order.
+        state.issues_inline = True
     reduced = _reduced_by_ddp_itself(state, ddp_model)
     if reduced is not None:
         ddp_model._gradzip_counted = _DDPAllreduceCount(state, reduced)
