@@ -185,6 +185,9 @@ class BucketRoute:
 
     def __init__(self):
         self.buckets: dict[tuple, _Bucket] = {}
+        # stats() and state_dict() resolve skips from the training thread while gradzip's thread may be
+        # exchanging (DiLoCo's overlap): a skip and the step counters it takes back change together.
+        self._lock = threading.RLock()
 
     def bucket(self, keys: tuple, grads: Sequence[torch.Tensor], steps: dict, totals: dict) -> _Bucket:
         entry = self.buckets.get(keys)
@@ -200,11 +203,12 @@ class BucketRoute:
     def resolve(self, steps: dict, totals: dict, entry: Optional[_Bucket] = None) -> None:
         """Learn whether the last exchange of ``entry`` (of every bucket, by default) was skipped, and
         if so take back its step counters."""
-        for bucket in [entry] if entry is not None else list(self.buckets.values()):
-            if bucket.skipped.take():
-                totals["nonfinite_exchanges"] += 1
-                for key in bucket.layout.keys:
-                    steps[key] = steps.get(key, 1) - 1
+        with self._lock:
+            for bucket in [entry] if entry is not None else list(self.buckets.values()):
+                if bucket.skipped.take():
+                    totals["nonfinite_exchanges"] += 1
+                    for key in bucket.layout.keys:
+                        steps[key] = steps.get(key, 1) - 1
 
     @torch.no_grad()  # rather than detaching each gradient: an operation per tensor
     def exchange(self, state, named_grads, out, compressor: Compressor):
@@ -213,12 +217,13 @@ class BucketRoute:
         when given."""
         keys = tuple(key for key, _ in named_grads)
         grads = [g for _, g in named_grads]
-        entry = self.bucket(keys, grads, state.steps, state.totals)
-        self.resolve(state.steps, state.totals, entry)
+        with self._lock:
+            entry = self.bucket(keys, grads, state.steps, state.totals)
+            self.resolve(state.steps, state.totals, entry)
+            step = state.steps.get(keys[0], 0)
         layout = entry.layout
         state.compressor.observe_step(keys, time.perf_counter())
         flat_g = entry.flat_input(grads)
-        step = state.steps.get(keys[0], 0)
         shapes = _state_shapes(compressor, layout, step)
         # Where the aggregate goes back into the input's own run (DDP's bucket), the input's memory is
         # the exchange's to use until then.
@@ -243,9 +248,10 @@ class BucketRoute:
         report.nonfinite = bad  # a device bool: what a caller reading it (DiLoCo's outer step) must know
         entry.commit(b.updates, shapes, bad, state.tensors, spare=flat_g if in_place else None)  # before
         outputs = _write(aggregate, bad, entry, out, flat_g if in_place else None, layout)  # the input is overwritten
-        entry.skipped.set(bad)
-        for key in keys:
-            state.steps[key] = b.step + 1
+        with self._lock:  # the counters first: a skip taken from the other thread then takes them back
+            for key in keys:
+                state.steps[key] = b.step + 1
+            entry.skipped.set(bad)
         _count(state.totals, report, layout, result)
         state.last_report = report
         return outputs

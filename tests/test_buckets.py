@@ -3,6 +3,8 @@ per-tensor route, across ranks, with non-finite inputs, through a checkpoint, an
 from __future__ import annotations
 
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -754,3 +756,35 @@ def test_one_bit_column_index_is_each_elements_column(shapes):
     index = plan.column_index()
     assert index.dtype == torch.int32 and torch.equal(index.long(), expected)
     assert all(OneBit.matrix_shape(layout.shapes[i]) == (rows, cols) for size, rows, cols in groups for i in size.members)
+
+
+class _SlowSteps(dict):
+    """Step counters whose reads off gradzip's thread take a while: ``stats()`` there, having taken a
+    skip, takes its counters back only after an exchange running meanwhile has read and written them."""
+
+    def get(self, key, default=None):
+        if threading.current_thread().name != "gradzip-comm":
+            time.sleep(0.005)
+        return super().get(key, default)
+
+
+def test_stats_beside_running_exchanges_keep_the_step_counters_exact():
+    # DiLoCo's overlapped outer step: the thread exchanges while the training thread reads stats().
+    state = GradzipState("topk", ratio=0.5, bucketed=True)
+    state.steps = _SlowSteps()
+    grads = [torch.ones(6, 4), torch.ones(5)]
+    stop = threading.Event()
+    reader = threading.Thread(target=lambda: [state.stats() for _ in iter(stop.is_set, True)])
+    reader.start()
+    try:
+        for step in range(40):
+            poisoned = [g.clone() for g in grads]
+            if step % 2:
+                poisoned[0][0, 0] = float("nan")  # skipped: its counters are taken back
+            state.submit([("w", poisoned[0]), ("b", poisoned[1])], lambda aggregates: None).wait()
+    finally:
+        stop.set()
+        reader.join()
+    assert state.stats()["nonfinite_exchanges"] == 20
+    assert dict(state.steps) == {"w": 20, "b": 20}
+    state.close()
