@@ -124,3 +124,23 @@ def test_syncbatchnorm_on_nccl_issues_every_exchange_from_backwards_thread():
     # out from that thread too (in program order on every rank), never from its own.
     for seen in run_workers(syncbn_decisions, 2):
         assert seen == {("gloo", False): False, ("gloo", True): False, ("nccl", False): False, ("nccl", True): True}
+
+
+def diloco_decisions(rank, world):
+    seen = {}
+    for name, context in (("gloo", contextlib.nullcontext), ("nccl", pretended_nccl)):
+        for overlap in (False, True):
+            model = small_model()
+            with context():
+                outer = gradzip.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=2,
+                                       overlap=overlap, compressor="topk", ratio=0.5)
+            seen[name, overlap] = outer.state.issues_inline
+            outer.state.close()
+    return seen
+
+
+def test_overlapped_diloco_on_nccl_issues_its_exchange_from_step():
+    # The inner steps' own collectives (DDP within a node) go out from the caller's thread: on NCCL the
+    # overlapped outer exchange does too, on gradzip's stream, instead of from gradzip's thread.
+    for seen in run_workers(diloco_decisions, 2):
+        assert seen == {("gloo", False): False, ("gloo", True): False, ("nccl", False): False, ("nccl", True): True}

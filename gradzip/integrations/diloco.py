@@ -148,6 +148,11 @@ class DiLoCo:
             group = dist.group.WORLD
         self.group = group
         self.state = GradzipState(method, group=group, seed=seed)
+        if overlap and not self.state.transport.issues_beside_other_groups(torch.device("cuda")):
+            # On NCCL the overlapped exchange is issued from step() on gradzip's stream, not from its
+            # thread: the inner steps' own collectives (DDP within a node, a script's) then keep program
+            # order beside it on every rank.  The GPU still overlaps them; the bucket route waits for nothing.
+            self.state.issues_inline = True
         self._pending: Optional[tuple] = None  # overlap: (fragments, their step, the exchange's future)
         if self.state.world_size > 1:
             with torch.no_grad():

@@ -321,16 +321,19 @@ def test_auto_agrees_through_a_group_of_nccl_alone(tmp_path):
 _SLEEP_CYCLES = 200_000_000
 
 
-def test_overlapped_diloco_merges_the_outer_step_it_waited_for():
+@pytest.mark.parametrize("inline", [False, True], ids=["thread", "inline"])
+def test_overlapped_diloco_merges_the_outer_step_it_waited_for(inline):
     """Under ``overlap`` the outer step writes theta_g on gradzip's stream; the merge copies it into the
     replica on the caller's.  Held back on the GPU just before its writes, the outer step still comes
     before the merge: the future the merge waits on carries the tensors written, so the caller's stream
-    waits for them (a bool would carry no device to wait for)."""
+    waits for them (a bool would carry no device to wait for).  ``inline``: issued from ``step()``, as
+    on NCCL, rather than from gradzip's thread."""
     import gradzip
 
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)).cuda()
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
     diloco = gradzip.DiLoCo(model, inner, sync_every=2, overlap=True, outer_momentum=0.0)
+    diloco.state.issues_inline = inline
 
     class HeldBack(dict):
         def __getitem__(self, name):  # the outer step's writes, on gradzip's stream, wait on the GPU
