@@ -225,7 +225,9 @@ class GradzipState:
         self.dense_group: Optional[dist.ProcessGroup] = None
         #: Whether CUDA exchanges are issued from the caller's thread, never from gradzip's: where the
         #: caller's own collectives during backward (SyncBatchNorm's) would otherwise be in flight beside
-        #: gradzip's thread's in an order that differs between ranks (NCCL).  ``register`` sets it.
+        #: gradzip's thread's in an order that differs between ranks (NCCL).  ``register`` sets it for
+        #: SyncBatchNorm, DiLoCo for ``overlap``; set it before the first exchange (once gradzip's thread
+        #: has started, CUDA exchanges stay on it: FIFO keeps the order of those already queued).
         self.issues_inline = False
         #: The DDP hook's buckets that are one plain allreduce for ever (:meth:`always_plain_dtype`), by
         #: (bucket index, buffer address, size): their keys, element count, element size and wire dtype.
@@ -617,13 +619,15 @@ class GradzipState:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(device))
         fut: torch.futures.Future = torch.futures.Future(devices=[device] if device is not None else None)
-        if device is not None and self._worker is None and self._issues_inline(named_grads):
-            self._run_job(list(named_grads), out, done, fut, device, ready, time.perf_counter(), compiles)
-            return fut
         with self._lock:
             if self._closed:
                 raise RuntimeError("this GradzipState is closed (state.close(), the end of its `with` block, "
                                    "or destroy_process_group()); make a new one to go on training")
+            inline = device is not None and self._worker is None and self._issues_inline(named_grads)
+        if inline:
+            self._run_job(list(named_grads), out, done, fut, device, ready, time.perf_counter(), compiles)
+            return fut
+        with self._lock:
             if self._worker is None:
                 self._worker = threading.Thread(target=self._serve, args=(torch.get_num_threads(),),
                                                 name="gradzip-comm", daemon=True)

@@ -24,7 +24,7 @@ def _steps(ddp, model, rank, steps=3):
     return _flat(model)
 
 
-def over_subgroups(rank, world):
+def over_subgroups(rank, world, folder):
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes both, as torch asks
     pair = pairs[rank // 2]
     out = {}
@@ -35,12 +35,21 @@ def over_subgroups(rank, world):
         out[method] = _steps(ddp, model, rank)
         out[method + " ranks"] = dist.get_process_group_ranks(state.transport.group) if method != "none" else None
         out[method + " own"] = state.transport.group is not pair and state.transport.group is not dist.group.WORLD
+        if method == "topk":  # saved under the global rank, as a script names its files; resumed by {rank}
+            torch.save(state.state_dict(), f"{folder}/gradzip_{rank}.pt")
+            saved = state.state_dict()
         state.close()
+    dist.barrier()
+    ddp = nn.parallel.DistributedDataParallel(small_model(), process_group=pair, bucket_cap_mb=0.004)
+    resumed = gradzip.register(ddp, "topk", ratio=0.5, resume=f"{folder}/gradzip_{{rank}}.pt")
+    out["resumed own residuals"] = all(torch.equal(resumed.tensors[k]["residual"], v["residual"])
+                                       for k, v in saved["tensors"].items())
+    resumed.close()
     return out
 
 
-def test_ddp_over_a_subgroup_is_averaged_over_that_subgroup():
-    results = run_workers(over_subgroups, 4)
+def test_ddp_over_a_subgroup_is_averaged_over_that_subgroup(tmp_path):
+    results = run_workers(over_subgroups, 4, str(tmp_path))
     for method in ("topk", "powersgd", "none"):
         a, b, c, d = (r[method] for r in results)
         assert torch.equal(a, b) and torch.equal(c, d), method  # each pair agrees ...
@@ -48,6 +57,7 @@ def test_ddp_over_a_subgroup_is_averaged_over_that_subgroup():
     for rank, r in enumerate(results):
         assert r["topk ranks"] == r["powersgd ranks"] == [2 * (rank // 2), 2 * (rank // 2) + 1]
         assert r["topk own"] and r["powersgd own"]  # a group of gradzip's own: never DDP's
+        assert r["resumed own residuals"]  # its own file, not its data-parallel peer rank's of the other pair
 
 
 def given_ddps_group(rank, world):

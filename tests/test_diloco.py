@@ -415,8 +415,11 @@ def test_an_overlapped_exchange_compiles_no_kernel(monkeypatch):
         assert bool(compiled) == (not overlap), (overlap, compiled)
 
 
-def test_outer_step_is_torch_sgd_with_nesterov_on_the_pseudo_gradient():
+@pytest.mark.parametrize("bucketed", [False, True], ids=["per-tensor", "bucket"])
+def test_outer_step_is_torch_sgd_with_nesterov_on_the_pseudo_gradient(bucketed):
+    # The bucket route (CUDA's) leaves the skip flag on the device: the step is then taken by a select.
     model, opt, outer = _single(sync_every=3)  # the defaults: outer lr 0.7, Nesterov momentum 0.5
+    outer.state.bucketed = bucketed
     reference = [p.detach().clone() for p in model.parameters()]
     ref_opt = torch.optim.SGD(reference, lr=0.7, momentum=0.5, nesterov=True)
     for step in range(9):
@@ -456,8 +459,11 @@ def test_overlap_outer_step_uses_the_pseudo_gradient_taken_when_due():
     outer.close()
 
 
-def test_a_nonfinite_replica_restarts_from_the_last_global_parameters():
-    model, opt, outer = _single()
+@pytest.mark.parametrize("bucketed", [False, True], ids=["per-tensor", "bucket"])
+def test_a_nonfinite_replica_restarts_from_the_last_global_parameters(bucketed):
+    model, opt, outer = _single(outer_momentum=0.5)
+    outer.state.bucketed = bucketed
+    momentum = {k: v.clone() for k, v in outer.momentum.items()}
     _inner_step(model, opt, 0, 0)
     outer.step()
     theta = {k: v.clone() for k, v in outer.theta.items()}
@@ -466,6 +472,7 @@ def test_a_nonfinite_replica_restarts_from_the_last_global_parameters():
         model[0].weight[0, 0] = float("nan")
     assert outer.step() == (0,)
     assert all(torch.equal(theta[n], p) and torch.equal(theta[n], outer.theta[n]) for n, p in model.named_parameters())
+    assert all(torch.equal(momentum[n], outer.momentum[n]) for n in momentum)  # the skipped step moved nothing
     assert outer.stats()["nonfinite_syncs"] == 1
 
 

@@ -53,7 +53,7 @@ def register(ddp_model: DistributedDataParallel, compressor="none", *, group: "O
 
     ``resume``: continue from a saved state instead of a fresh one — a ``state_dict`` (either form), or
     the path of a file holding one, alone or under a ``"gradzip"`` key of a whole checkpoint;
-    ``{rank}`` in the path is replaced by this rank.  A file that is missing or holds no gradzip state
+    ``{rank}`` in the path is replaced by this rank (its global rank).  A file that is missing or holds no gradzip state
     raises, so a resumed run never silently starts its error feedback from zero.
 
     Under ``torch.amp.GradScaler`` pass ``grad_scaler=scaler`` (a :class:`GradzipState` argument, as are
@@ -75,7 +75,7 @@ def register(ddp_model: DistributedDataParallel, compressor="none", *, group: "O
                          "returned, or wrap the module in a new DistributedDataParallel")
     ddp_group = getattr(ddp_model, "process_group", None)
     own = None
-    if dist.is_initialized() and ddp_group is not None and (
+    if dist.is_initialized() and ddp_group is not None and dist.get_world_size(ddp_group) > 1 and (
             group is ddp_group or (group is None and ddp_group is not dist.group.WORLD)):
         group, destroyable = collectives.group_of_ranks(ddp_group)
         own = group if destroyable else None
@@ -88,7 +88,9 @@ def register(ddp_model: DistributedDataParallel, compressor="none", *, group: "O
     gradzip_group = getattr(state.transport, "group", None)
     state.dense_group = ddp_group if ddp_group is not None and ddp_group is not gradzip_group else None
     if resume is not None:
-        state.load_state_dict(_saved_state(resume, state.rank))
+        # {rank}: the global rank, as a script names its files (two ranks of one data-parallel rank, in
+        # different subgroups beside tensor parallelism, have each their own)
+        state.load_state_dict(_saved_state(resume, dist.get_rank() if dist.is_initialized() else state.rank))
     if (any(isinstance(m, torch.nn.SyncBatchNorm) for m in ddp_model.module.modules())
             and not state.transport.issues_beside_other_groups(torch.device("cuda"))):
         # SyncBatchNorm's backward allreduces on backward's thread, between bucket hooks: gradzip's

@@ -154,6 +154,10 @@ class DiLoCo:
             # order beside it on every rank.  The GPU still overlaps them; the bucket route waits for nothing.
             self.state.issues_inline = True
         self._pending: Optional[tuple] = None  # overlap: (fragments, their step, the exchange's future)
+        # overlap: the pseudo-gradients in flight, kept until the exchange is waited for.  Made on the
+        # caller's stream and read on gradzip's, freed earlier their memory would go back to the
+        # caller's stream at once, where the next inner step could write it before they were read.
+        self._sent: Optional[list] = None
         if self.state.world_size > 1:
             with torch.no_grad():
                 for t in itertools.chain(model.parameters(), model.buffers()):
@@ -187,6 +191,7 @@ class DiLoCo:
                 on = next((d.device for _, d in deltas if devices.cuda(d)), None)  # the future's device
                 self._pending = (due, t, self.state.submit(deltas, functools.partial(self._outer_step_written, names, on),
                                                            compiles=False))
+                self._sent = deltas
             else:
                 self._load(named, self._exchange(deltas, t))
             self.syncs += 1
@@ -211,10 +216,23 @@ class DiLoCo:
         return RuntimeError(f"DiLoCo: the sync at inner step {step} failed (a peer stopped, or did not reach it "
                             f"within the process group's timeout): {cause}")
 
-    def _outer_step(self, names: list, means: list) -> bool:
+    def _outer_step(self, names: list, means: list):
         """theta_g -= outer_lr * (Nesterov) momentum step on the mean pseudo-gradients; runs on gradzip's
-        thread under ``overlap``.  Returns True when the exchange was not finite and nothing moved."""
-        if self.state.last_report.nonfinite:
+        thread under ``overlap``.  Returns whether the exchange was not finite and nothing moved: a bool,
+        or where the exchange left that on the device (the bucket route), a device bool, the step then
+        taken or not by a select there, so that issuing it waits for nothing."""
+        bad = self.state.last_report.nonfinite
+        if isinstance(bad, torch.Tensor):
+            for name, mean in zip(names, means):
+                update = mean
+                if self.outer_momentum:
+                    buf = self.momentum[name].mul(self.outer_momentum).add_(mean)
+                    update = mean.add(buf, alpha=self.outer_momentum) if self.nesterov else buf
+                    self.momentum[name].copy_(torch.where(bad, self.momentum[name], buf))
+                theta = self.theta[name]
+                theta.copy_(torch.where(bad, theta, theta.add(update, alpha=-self.outer_lr)))
+            return bad
+        if bad:
             # Some replica's pseudo-gradient was NaN/Inf (or overflowed on the wire): theta_g and b stay,
             # and every replica of these tensors restarts from theta_g, so they stay identical.
             return True
@@ -250,10 +268,12 @@ class DiLoCo:
             return None
         _, step, fut = self._pending
         try:
-            return fut.wait()[0]
+            return fut.wait()[0]  # the caller's stream now waits for gradzip's: the inputs may go
         except RuntimeError as exc:
             self._pending = None
             raise self._failed(exc, step) from exc
+        finally:
+            self._sent = None
 
     def _merge(self) -> None:
         skipped = self._settle()

@@ -356,6 +356,43 @@ def test_overlapped_diloco_merges_the_outer_step_it_waited_for(inline):
     diloco.close()
 
 
+@pytest.mark.parametrize("inline", [False, True], ids=["thread", "inline"])
+def test_overlapped_diloco_reads_its_pseudo_gradients_before_their_memory_is_reused(inline):
+    """The pseudo-gradients of an overlapped exchange are made on the caller's stream and read on
+    gradzip's.  With gradzip's stream held back on the GPU before the exchange reads them, the inner
+    step made meanwhile (its allocations on the caller's stream) does not get their memory: theta_g is
+    the same, bit for bit, as without the hold."""
+    import gradzip
+
+    def run(held: bool) -> dict:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 8)).cuda()
+        inner = torch.optim.SGD(model.parameters(), lr=0.1)
+        diloco = gradzip.DiLoCo(model, inner, sync_every=2, overlap=True, outer_momentum=0.0)
+        diloco.state.issues_inline = inline
+        exchange = diloco.state.exchange
+
+        def held_back(named, out=None):  # on gradzip's stream, before anything reads the inputs
+            if held:
+                torch.cuda._sleep(_SLEEP_CYCLES)
+            return exchange(named, out)
+
+        diloco.state.exchange = held_back
+        x = torch.randn(64, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+        for _ in range(3):  # the second step starts the exchange, the third (allocating meanwhile) merges it
+            inner.zero_grad(set_to_none=True)
+            model(x).square().mean().backward()
+            inner.step()
+            diloco.step()
+        torch.cuda.synchronize()
+        theta = {n: t.clone() for n, t in diloco.theta.items()}
+        diloco.close()
+        return theta
+
+    plain, held = run(False), run(True)
+    assert all(torch.equal(plain[n], held[n]) for n in plain), "an exchange read memory reused meanwhile"
+
+
 def test_a_state_loaded_on_the_callers_stream_is_read_before_its_memory_is_reused(monkeypatch):
     """A CUDA state loaded in the caller's thread (on its stream) is copied into the bucket's flat state
     on gradzip's stream, and let go of at once on the host.  With gradzip's stream held back on the GPU
