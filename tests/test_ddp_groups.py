@@ -76,3 +76,20 @@ def test_ddps_own_group_given_is_copied_and_released_at_close():
     for seen, params, alive in results:
         assert seen == (True, [0, 1], True) and not alive
     assert torch.equal(results[0][1], results[1][1])
+
+
+def over_one_rank_groups(rank, world):
+    alone = [dist.new_group([0]), dist.new_group([1])]  # data parallelism of one beside other parallelism
+    model = small_model()
+    ddp = nn.parallel.DistributedDataParallel(model, process_group=alone[rank], bucket_cap_mb=0.004)
+    state = gradzip.register(ddp, "topk", ratio=0.5)
+    params = _steps(ddp, model, rank)
+    size = state.world_size
+    state.close()
+    return params, size
+
+
+def test_ddp_over_a_one_rank_group_averages_nothing():
+    (a, size_a), (b, size_b) = run_workers(over_one_rank_groups, 2)
+    assert size_a == size_b == 1
+    assert not torch.allclose(a, b)  # each rank kept its own gradients (different data)

@@ -463,11 +463,13 @@ def test_overlap_outer_step_uses_the_pseudo_gradient_taken_when_due():
 def test_a_nonfinite_replica_restarts_from_the_last_global_parameters(bucketed):
     model, opt, outer = _single(outer_momentum=0.5)
     outer.state.bucketed = bucketed
-    momentum = {k: v.clone() for k, v in outer.momentum.items()}
-    _inner_step(model, opt, 0, 0)
-    outer.step()
+    for step in range(3):  # a good sync at the second step: theta_g and the momentum move
+        _inner_step(model, opt, 0, step)
+        outer.step()
     theta = {k: v.clone() for k, v in outer.theta.items()}
-    _inner_step(model, opt, 0, 1)
+    momentum = {k: v.clone() for k, v in outer.momentum.items()}
+    assert all(bool(v.abs().sum() > 0) for v in momentum.values())
+    _inner_step(model, opt, 0, 3)
     with torch.no_grad():
         model[0].weight[0, 0] = float("nan")
     assert outer.step() == (0,)

@@ -75,10 +75,13 @@ def register(ddp_model: DistributedDataParallel, compressor="none", *, group: "O
                          "returned, or wrap the module in a new DistributedDataParallel")
     ddp_group = getattr(ddp_model, "process_group", None)
     own = None
-    if dist.is_initialized() and ddp_group is not None and dist.get_world_size(ddp_group) > 1 and (
+    if dist.is_initialized() and ddp_group is not None and (
             group is ddp_group or (group is None and ddp_group is not dist.group.WORLD)):
-        group, destroyable = collectives.group_of_ranks(ddp_group)
-        own = group if destroyable else None
+        if dist.get_world_size(ddp_group) == 1:
+            group = ddp_group  # one rank: nothing is exchanged, nothing to keep apart
+        else:
+            group, destroyable = collectives.group_of_ranks(ddp_group)
+            own = group if destroyable else None
     state = GradzipState(compressor, group=group, seed=seed, **params)
     state.adopt_group(own)
     state.param_names = {p: name for name, p in ddp_model.module.named_parameters()}

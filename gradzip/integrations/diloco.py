@@ -272,7 +272,7 @@ class DiLoCo:
         except RuntimeError as exc:
             self._pending = None
             raise self._failed(exc, step) from exc
-        finally:
+        finally:  # after a failure gradzip's stream may still read them: the job is ending anyway
             self._sent = None
 
     def _merge(self) -> None:
@@ -339,6 +339,7 @@ class DiLoCo:
                              "parameter set or outer momentum")
         if state.get("pending") and not self.overlap:
             raise ValueError("this DiLoCo state_dict holds an overlapped exchange to merge: load it with overlap=True")
+        self._settle()  # an exchange in flight would write theta_g and b after they are loaded
         for name in self.theta:
             self.theta[name].copy_(state["theta"][name])
         for name in self.momentum:
