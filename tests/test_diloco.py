@@ -478,6 +478,29 @@ def test_a_nonfinite_replica_restarts_from_the_last_global_parameters(bucketed):
     assert outer.stats()["nonfinite_syncs"] == 1
 
 
+def test_overlapped_merges_under_a_device_skip_flag_equal_the_host_ones_bit_for_bit():
+    """The bucket route leaves the skip flag on the device: the outer step, the late merge (here mixed,
+    merge_alpha 0.5) and the count of skipped syncs then wait for nothing on the host.  With a NaN sync
+    among good ones, both routes give the same replica, theta_g, momentum and count."""
+    runs = {}
+    for bucketed in (False, True):
+        model, opt, outer = _single(overlap=True, merge_alpha=0.5, outer_momentum=0.5)
+        outer.state.bucketed = bucketed
+        for step in range(9):
+            _inner_step(model, opt, 0, step)
+            if step == 5:
+                with torch.no_grad():
+                    model[0].weight[0, 0] = float("nan")  # due at this step: skipped; the merge restores it
+            outer.step()
+        outer.wait()
+        runs[bucketed] = (_flat(model), torch.cat([t.reshape(-1) for t in outer.theta.values()]),
+                          torch.cat([t.reshape(-1) for t in outer.momentum.values()]), outer.stats()["nonfinite_syncs"])
+        outer.close()
+    (p0, t0, m0, n0), (p1, t1, m1, n1) = runs[False], runs[True]
+    assert n0 == n1 == 1 and torch.isfinite(p0).all()
+    assert torch.equal(p0, p1) and torch.equal(t0, t1) and torch.equal(m0, m1)
+
+
 def test_fragments_are_contiguous_and_balanced_by_elements():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 1), nn.Linear(1, 100), nn.Linear(100, 1))

@@ -166,7 +166,9 @@ class DiLoCo:
         self.offsets = [f * self.sync_every // fragments for f in range(fragments)]
         self.theta = {name: p.detach().to(torch.float32, copy=True) for name, p in named}
         self.momentum = {name: torch.zeros_like(t) for name, t in self.theta.items()} if outer_momentum else {}
-        self.inner_steps = self.syncs = self.nonfinite_syncs = 0
+        self.inner_steps = self.syncs = 0
+        self._nonfinite_syncs = 0
+        self._skips_on_device: Optional[torch.Tensor] = None  # merges' device skip flags, summed there
         self.fragment_syncs = [0] * fragments
         self._ddp_bytes = sum(p.numel() * p.element_size() for _, p in named)
         _log.info("gradzip.DiLoCo: sync_every=%d, fragments=%d, outer_lr=%g, outer_momentum=%g, overlap=%s; "
@@ -252,15 +254,35 @@ class DiLoCo:
         written = [self.theta[n] for n in names] + [self.momentum[n] for n in names if n in self.momentum]
         return self._outer_step(names, means), [t for t in written if t.device == device]
 
-    def _load(self, named: list, skipped: bool, alpha: float = 0.0) -> None:
+    def _load(self, named: list, skipped, alpha: float = 0.0) -> None:
         """Every replica takes theta_g for these tensors (mixed with its own by ``alpha``; not after a
-        skipped exchange)."""
-        self.nonfinite_syncs += int(skipped)
+        skipped exchange).  ``skipped`` a device bool (the bucket route's): decided by a select there,
+        and counted there, so that a merge waits for nothing on the host."""
+        if isinstance(skipped, torch.Tensor):
+            counted = self._skips_on_device
+            self._skips_on_device = skipped.long() if counted is None else counted.add_(skipped)
+            for name, p in named:
+                theta = self.theta[name].to(p.dtype)
+                p.copy_(torch.where(skipped, theta, p.mul(alpha).add_(theta, alpha=1 - alpha)) if alpha else theta)
+            return
+        self._nonfinite_syncs += int(skipped)
         for name, p in named:
             if alpha and not skipped:
                 p.mul_(alpha).add_(self.theta[name].to(p.dtype), alpha=1 - alpha)
             else:
                 p.copy_(self.theta[name])
+
+    @property
+    def nonfinite_syncs(self) -> int:
+        """Syncs whose exchange was not finite on some rank: skipped on every rank."""
+        if self._skips_on_device is not None:  # read on the host here, where a count is asked for
+            self._nonfinite_syncs += int(self._skips_on_device)
+            self._skips_on_device = None
+        return self._nonfinite_syncs
+
+    @nonfinite_syncs.setter
+    def nonfinite_syncs(self, count: int) -> None:
+        self._nonfinite_syncs, self._skips_on_device = int(count), None
 
     def _settle(self) -> Optional[bool]:
         """Wait for the exchange in flight (theta_g is then current); None when there is none."""
