@@ -624,15 +624,14 @@ class GradzipState:
                 raise RuntimeError("this GradzipState is closed (state.close(), the end of its `with` block, "
                                    "or destroy_process_group()); make a new one to go on training")
             inline = device is not None and self._worker is None and self._issues_inline(named_grads)
+            if not inline:
+                if self._worker is None:
+                    self._worker = threading.Thread(target=self._serve, args=(torch.get_num_threads(),),
+                                                    name="gradzip-comm", daemon=True)
+                    self._worker.start()
+                self._jobs.put((list(named_grads), out, done, fut, device, ready, time.perf_counter(), compiles))
         if inline:
             self._run_job(list(named_grads), out, done, fut, device, ready, time.perf_counter(), compiles)
-            return fut
-        with self._lock:
-            if self._worker is None:
-                self._worker = threading.Thread(target=self._serve, args=(torch.get_num_threads(),),
-                                                name="gradzip-comm", daemon=True)
-                self._worker.start()
-            self._jobs.put((list(named_grads), out, done, fut, device, ready, time.perf_counter(), compiles))
         return fut
 
     def _serve(self, num_threads: int) -> None:

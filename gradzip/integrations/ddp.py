@@ -53,8 +53,8 @@ def register(ddp_model: DistributedDataParallel, compressor="none", *, group: "O
 
     ``resume``: continue from a saved state instead of a fresh one — a ``state_dict`` (either form), or
     the path of a file holding one, alone or under a ``"gradzip"`` key of a whole checkpoint;
-    ``{rank}`` in the path is replaced by this rank (its global rank).  A file that is missing or holds no gradzip state
-    raises, so a resumed run never silently starts its error feedback from zero.
+    ``{rank}`` in the path is replaced by this rank (its global rank).  A file that is missing or holds
+    no gradzip state raises, so a resumed run never silently starts its error feedback from zero.
 
     Under ``torch.amp.GradScaler`` pass ``grad_scaler=scaler`` (a :class:`GradzipState` argument, as are
     the other keywords besides the compressor's parameters): the hook sees scaled gradients.

@@ -71,6 +71,12 @@ def check_options(**options) -> None:
         raise ValueError("merge_alpha mixes a late exchange into the replica: it needs overlap=True")
 
 
+def _unless(bad, target: torch.Tensor, new: torch.Tensor) -> None:
+    """``target = new`` unless ``bad``: a device bool (then a select there, nothing read on the host) or a
+    host one already known to be False."""
+    target.copy_(torch.where(bad, target, new) if isinstance(bad, torch.Tensor) else new)
+
+
 class DiLoCo:
     r"""The outer loop of DiLoCo (Douillard et al. 2023, "DiLoCo: Distributed Low-Communication Training of
     Language Models"), with fragments synced at staggered steps as in Streaming DiLoCo (Douillard et al.
@@ -224,27 +230,18 @@ class DiLoCo:
         or where the exchange left that on the device (the bucket route), a device bool, the step then
         taken or not by a select there, so that issuing it waits for nothing."""
         bad = self.state.last_report.nonfinite
-        if isinstance(bad, torch.Tensor):
-            for name, mean in zip(names, means):
-                update = mean
-                if self.outer_momentum:
-                    buf = self.momentum[name].mul(self.outer_momentum).add_(mean)
-                    update = mean.add(buf, alpha=self.outer_momentum) if self.nesterov else buf
-                    self.momentum[name].copy_(torch.where(bad, self.momentum[name], buf))
-                theta = self.theta[name]
-                theta.copy_(torch.where(bad, theta, theta.add(update, alpha=-self.outer_lr)))
-            return bad
-        if bad:
+        if not isinstance(bad, torch.Tensor) and bad:
             # Some replica's pseudo-gradient was NaN/Inf (or overflowed on the wire): theta_g and b stay,
             # and every replica of these tensors restarts from theta_g, so they stay identical.
             return True
         for name, mean in zip(names, means):
             update = mean
             if self.outer_momentum:
-                buf = self.momentum[name].mul_(self.outer_momentum).add_(mean)
+                buf = self.momentum[name].mul(self.outer_momentum).add_(mean)
                 update = mean.add(buf, alpha=self.outer_momentum) if self.nesterov else buf
-            self.theta[name].add_(update, alpha=-self.outer_lr)
-        return False
+                _unless(bad, self.momentum[name], buf)
+            _unless(bad, self.theta[name], self.theta[name].add(update, alpha=-self.outer_lr))
+        return bad
 
     def _outer_step_written(self, names: list, device, means: list) -> tuple:
         """:meth:`_outer_step` under ``overlap``: (whether it skipped, the tensors it may have written on
@@ -258,19 +255,19 @@ class DiLoCo:
         """Every replica takes theta_g for these tensors (mixed with its own by ``alpha``; not after a
         skipped exchange).  ``skipped`` a device bool (the bucket route's): decided by a select there,
         and counted there, so that a merge waits for nothing on the host."""
-        if isinstance(skipped, torch.Tensor):
+        on_device = isinstance(skipped, torch.Tensor)
+        if on_device:
             counted = self._skips_on_device
             self._skips_on_device = skipped.long() if counted is None else counted.add_(skipped)
-            for name, p in named:
-                theta = self.theta[name].to(p.dtype)
-                p.copy_(torch.where(skipped, theta, p.mul(alpha).add_(theta, alpha=1 - alpha)) if alpha else theta)
-            return
-        self._nonfinite_syncs += int(skipped)
+        else:
+            self._nonfinite_syncs += int(skipped)
         for name, p in named:
-            if alpha and not skipped:
-                p.mul_(alpha).add_(self.theta[name].to(p.dtype), alpha=1 - alpha)
+            theta = self.theta[name].to(p.dtype)
+            if alpha and (on_device or not skipped):
+                mixed = p.mul(alpha).add_(theta, alpha=1 - alpha)
+                p.copy_(torch.where(skipped, theta, mixed) if on_device else mixed)
             else:
-                p.copy_(self.theta[name])
+                p.copy_(theta)
 
     @property
     def nonfinite_syncs(self) -> int:
