@@ -185,6 +185,8 @@ class BucketRoute:
 
     def __init__(self):
         self.buckets: dict[tuple, _Bucket] = {}
+        #: Every bucket that took this route, also one DDP has since regrouped (what describe() reports).
+        self.taken: set[tuple] = set()
         # stats() and state_dict() resolve skips from the training thread while gradzip's thread may be
         # exchanging (DiLoCo's overlap): a skip and the step counters it takes back change together.
         self._lock = threading.RLock()
@@ -198,6 +200,7 @@ class BucketRoute:
                 self.resolve(steps, totals, self.buckets.pop(other))
             layout = BucketLayout(keys, [g.shape for g in grads], grads[0].dtype, grads[0].device)
             entry = self.buckets[keys] = _Bucket(layout)
+            self.taken.add(keys)
         return entry
 
     def resolve(self, steps: dict, totals: dict, entry: Optional[_Bucket] = None) -> None:

@@ -843,7 +843,7 @@ class GradzipState:
     def _route_of(self, keys: tuple, record: dict) -> str:
         if record["exchanges"] and record["plain"] == record["exchanges"]:
             return "plain allreduce"
-        return "bucket" if keys in self._route.buckets else "per-tensor"
+        return "bucket" if keys in self._route.taken else "per-tensor"
 
     def state_dict(self, *, all_ranks: bool = False) -> dict:
         """Everything needed to continue bit for bit: per-tensor state, step counters, epoch, counters.

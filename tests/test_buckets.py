@@ -287,6 +287,7 @@ def test_a_regrouped_bucket_keeps_each_tensors_residual():
     state = GradzipState("topk", bucketed=True, ratio=0.1)
     _, named = _bucket()
     state.exchange(named)
+    state.record_bucket(named, exchanges=1)  # as DDP's hook does
     owed = {k: v["residual"].clone() for k, v in state.tensors.items()}
     _, again = _bucket(seed=1)
     halves = [again[:4], again[4:]]
@@ -298,7 +299,10 @@ def test_a_regrouped_bucket_keeps_each_tensors_residual():
         got = state.exchange(half)
         want = reference.exchange([(k, g.clone()) for k, g in half])
         assert all(torch.equal(x, y) for x, y in zip(got, want))
+        state.record_bucket(half, exchanges=1)
     assert len(state._route.buckets) == 2
+    # the first step's bucket, regrouped since, took the bucket route all the same
+    assert [b["route"] for b in state.describe()["buckets"]] == ["bucket"] * 3
 
 
 def test_a_regrouped_bucket_still_takes_back_its_skipped_step():
