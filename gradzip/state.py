@@ -915,7 +915,8 @@ class GradzipState:
         self._loaded_here = [v for slot in self.tensors.values() for v in slot.values()
                              if isinstance(v, torch.Tensor) and devices.cuda(v)]
         self.totals.update(state.get("totals", {}))
-        self._route = BucketRoute()  # its flat state is rebuilt from the loaded tensors
+        taken, self._route = self._route.taken, BucketRoute()  # its flat state is rebuilt from the loaded tensors
+        self._route.taken = taken  # describe()'s record of the route each bucket took, kept as the records are
         self.loaded = True
 
     def _device_of_state(self) -> Optional[torch.device]:

@@ -301,7 +301,9 @@ def test_a_regrouped_bucket_keeps_each_tensors_residual():
         assert all(torch.equal(x, y) for x, y in zip(got, want))
         state.record_bucket(half, exchanges=1)
     assert len(state._route.buckets) == 2
-    # the first step's bucket, regrouped since, took the bucket route all the same
+    # the first step's bucket, regrouped since, took the bucket route all the same (also once a state is loaded)
+    assert [b["route"] for b in state.describe()["buckets"]] == ["bucket"] * 3
+    state.load_state_dict(state.state_dict())
     assert [b["route"] for b in state.describe()["buckets"]] == ["bucket"] * 3
 
 
