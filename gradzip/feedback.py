@@ -39,7 +39,7 @@ from .compressors.base import Compressor, Exchange, TensorContext, add_scaled, t
 from .compressors.dense import NoCompression
 from .compressors.sparse import _momentum_params
 
-__all__ = ["exchange", "FEEDBACKS", "Feedback", "NoFeedback", "Residual", "MomentumCorrection", "NoState",
+__all__ = ["exchange", "FEEDBACKS", "STATE_KEYS", "Feedback", "NoFeedback", "Residual", "MomentumCorrection", "NoState",
            "ResidualState", "MomentumState", "make_feedback", "scheme_of", "with_feedback"]
 
 _DENSE = NoCompression()
@@ -257,6 +257,8 @@ def _momentum_step(u, g, v, new_u, new_v, *, m: float, nesterov: bool):
 
 _SCHEMES = {cls.name: cls for cls in (NoFeedback, Residual, MomentumCorrection)}
 FEEDBACKS = tuple(_SCHEMES)
+#: The names of every scheme's per-tensor state (a tensor's entries that error feedback owns).
+STATE_KEYS = tuple(dict.fromkeys(k for cls in _SCHEMES.values() for k in cls.state_keys))
 
 
 def make_feedback(spec, **params) -> Feedback:

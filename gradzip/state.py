@@ -18,7 +18,7 @@ import queue
 import threading
 import time
 import weakref
-from typing import Callable, Optional, Sequence
+from typing import Callable, Collection, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -232,6 +232,9 @@ class GradzipState:
         #: The DDP hook's buckets that are one plain allreduce for ever (:meth:`always_plain_dtype`), by
         #: (bucket index, buffer address, size): their keys, element count, element size and wire dtype.
         self.always_plain: dict = {}
+        #: Set by ``register`` under ``find_unused_parameters=True``: what says which parameters this
+        #: rank's backward reached in the step (``used``), so that the hook withholds the others.
+        self.local_use = None
         #: Whether :meth:`load_state_dict` ran: integrations that were asked to resume check it.
         self.loaded = False
         #: Keys of a state loaded where no group said where the gradients live: moved to them once.
@@ -300,7 +303,7 @@ class GradzipState:
                              state=slot, buffers=buffers)
 
     def exchange(self, named_grads: Sequence[tuple[str, torch.Tensor]],
-                 out: Optional[Sequence[torch.Tensor]] = None) -> list[torch.Tensor]:
+                 out: Optional[Sequence[torch.Tensor]] = None, withheld: Collection[str] = ()) -> list[torch.Tensor]:
         """Compress, exchange and aggregate these gradients; returns one aggregate per input.
 
         Every rank must pass the same names with the same shapes in the same order.  If any rank's input
@@ -316,9 +319,52 @@ class GradzipState:
 
         Small vectors (``group_vectors_below``) are joined into one tensor, compressed as one and split
         again; their state is kept under the group's key (:meth:`exchanged_keys`).
+
+        ``withheld``: names of gradients whose error-feedback state (residual; DGC's momentum and
+        velocity) sits this exchange out: each is compressed as if it were owed nothing, and its state
+        is left as it was.  DDP's hook withholds the parameters this rank did not use in the step
+        (``find_unused_parameters=True``), whose results DDP drops where no rank used them.
         """
         if out is not None and len(out) != len(named_grads):
             raise ValueError(f"exchange: out has {len(out)} tensors for {len(named_grads)} gradients")
+        if not withheld:
+            return self._exchange_all(named_grads, out)
+        held = self._hold_back(named_grads, withheld)
+        try:
+            return self._exchange_all(named_grads, out)
+        finally:
+            self._give_back(held)
+
+    def _hold_back(self, named_grads: Sequence[tuple[str, torch.Tensor]], withheld: Collection[str]) -> list:
+        """Zero the feedback state of the ``withheld`` gradients (their slice of a group's), in place;
+        returns what :meth:`_give_back` restores: (key, state name, offset, size, the saved values)."""
+        withheld = set(withheld)
+        held = []
+        for key, members in self.exchanged_keys(named_grads):
+            slot = self.tensors.get(key, {})
+            start = 0
+            for i in members:
+                name, g = named_grads[i]
+                if name in withheld:
+                    for field in _feedback.STATE_KEYS:
+                        value = slot.get(field)
+                        if isinstance(value, torch.Tensor) and value.is_contiguous() and value.numel() >= start + g.numel():
+                            piece = value.view(-1)[start:start + g.numel()]
+                            held.append((key, field, start, g.numel(), piece.clone()))
+                            piece.zero_()
+                start += g.numel()
+        return held
+
+    def _give_back(self, held: list) -> None:
+        """Put back the state :meth:`_hold_back` saved, into whatever holds the key's state now (the
+        exchange may have committed new tensors), committed or not, failed or not."""
+        for key, field, start, size, saved in held:
+            value = self.tensors.get(key, {}).get(field)
+            if isinstance(value, torch.Tensor) and value.is_contiguous() and value.numel() >= start + size:
+                value.view(-1)[start:start + size].copy_(saved)
+
+    def _exchange_all(self, named_grads: Sequence[tuple[str, torch.Tensor]],
+                      out: Optional[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
         if self._loaded_here:  # read on this stream, then let go by either route: not reused before
             devices.read_here(self._loaded_here)
             self._loaded_here = []
@@ -602,13 +648,15 @@ class GradzipState:
     # -- asynchronous use by the integrations -------------------------------------------------------
     def submit(self, named_grads: Sequence[tuple[str, torch.Tensor]],
                done: Callable[[list[torch.Tensor]], object],
-               out: Optional[Sequence[torch.Tensor]] = None, compiles: bool = True) -> torch.futures.Future:
+               out: Optional[Sequence[torch.Tensor]] = None, compiles: bool = True,
+               withheld: Collection[str] = ()) -> torch.futures.Future:
         """Run :meth:`exchange` (into ``out``, if given) on this state's single communication thread;
         FIFO keeps the order of collectives identical on every rank.  The future gets
         ``done(aggregates)``'s value.  ``compiles=False``: the exchange takes its reference paths where
         a fused kernel would first have to be compiled in this process (for those seconds
         ``torch.compiler.is_compiling()`` is true for the whole process, and the caller's code running
-        meanwhile, e.g. an optimizer's step, would take its compiled-code branches)."""
+        meanwhile, e.g. an optimizer's step, would take its compiled-code branches).  ``withheld``: as
+        in :meth:`exchange`."""
         self.transport  # connect on the caller's thread, never on the communication thread
         device = next((g.device for _, g in named_grads if devices.cuda(g)), None)
         ready = None
@@ -629,9 +677,9 @@ class GradzipState:
                     self._worker = threading.Thread(target=self._serve, args=(torch.get_num_threads(),),
                                                     name="gradzip-comm", daemon=True)
                     self._worker.start()
-                self._jobs.put((list(named_grads), out, done, fut, device, ready, time.perf_counter(), compiles))
+                self._jobs.put((list(named_grads), out, done, fut, device, ready, time.perf_counter(), compiles, withheld))
         if inline:
-            self._run_job(list(named_grads), out, done, fut, device, ready, time.perf_counter(), compiles)
+            self._run_job(list(named_grads), out, done, fut, device, ready, time.perf_counter(), compiles, withheld)
         return fut
 
     def _serve(self, num_threads: int) -> None:
@@ -652,11 +700,11 @@ class GradzipState:
             self._run_job(*job)
             del job  # hold no tensor while waiting for the next job
 
-    def _run_job(self, named, out, done, fut, device, ready, submitted, compiles) -> None:
+    def _run_job(self, named, out, done, fut, device, ready, submitted, compiles, withheld=()) -> None:
         try:
             with self._stream_for(device, ready), contextlib.nullcontext() if compiles else kernels.compiled_only():
                 started = time.perf_counter()
-                aggregates = self.exchange(named, out)
+                aggregates = self.exchange(named, out, withheld)
                 report = self.last_report
                 self.record_bucket(named, exchanges=1, queued_s=started - submitted, compress_s=report.compress_s,
                                    communicate_s=report.communicate_s, decompress_s=report.decompress_s)

@@ -259,3 +259,47 @@ def test_reading_while_residual_feedback_writes_gives_the_same_bits(method, para
         for (out_a, e_a), (out_b, e_b) in zip(rank_taken, rank_again):
             assert torch.equal(out_a.view(torch.int32), out_b.view(torch.int32))
             assert torch.equal(e_a.view(torch.int32), e_b.view(torch.int32))
+
+
+def _named(seed, zero=()):
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"a": (16, 8), "b": (8,), "c": (8, 8), "d": (4,)}
+    return [(k, torch.zeros(s) if k in zero else torch.randn(s, generator=g)) for k, s in shapes.items()]
+
+
+def _piece(state, name, field):
+    """``name``'s part of its feedback state ``field`` (its own, or its slice of a group of vectors)."""
+    named = _named(0)
+    for key, members in state.exchanged_keys(named):
+        start = 0
+        for i in members:
+            if named[i][0] == name:
+                value = state.tensors[key].get(field)
+                return None if value is None else value.reshape(-1)[start:start + named[i][1].numel()].clone()
+            start += named[i][1].numel()
+
+
+@pytest.mark.parametrize("name, params", [("topk", {"ratio": 0.2}), ("dgc", {"ratio": 0.2, "min_numel": 0, "warmup_epochs": 0})])
+@pytest.mark.parametrize("route", [{"bucketed": True}, {"bucketed": False}, {"bucketed": False, "group_vectors_below": 64}])
+def test_withheld_gradients_keep_their_feedback_state(name, params, route):
+    """exchange(withheld=...) (DDP's hook: a parameter this rank did not use) compresses those gradients
+    as if owed nothing and leaves their state as it was; the others are exchanged with theirs."""
+    fields = scheme_of(make(name, **params)).state_keys
+    states = {w: GradzipState(name, **params, **route) for w in ("withheld", "not")}
+    for state in states.values():
+        state.exchange(_named(0))
+    owed = {f: _piece(states["withheld"], "b", f) for f in fields}
+    owed = {f: v for f, v in owed.items() if v is not None and v.abs().sum() > 0}  # DGC sends vectors whole
+    assert owed
+    got = {w: s.exchange(_named(1, zero="b"), withheld={"b"} if w == "withheld" else ()) for w, s in states.items()}
+    for f in owed:
+        assert torch.equal(_piece(states["withheld"], "b", f), owed[f])
+        assert not torch.equal(_piece(states["not"], "b", f), owed[f])  # what withholding saved
+    assert torch.count_nonzero(got["withheld"][1]) == 0  # b sent nothing
+    if name == "topk":  # the others conserve g + e: what was sent plus what is owed now
+        before = GradzipState(name, **params, **route)
+        before.exchange(_named(0))
+        for i, (key, g) in enumerate(_named(1, zero="b")):
+            if key != "b":
+                torch.testing.assert_close(got["withheld"][i].reshape(-1) + _piece(states["withheld"], key, "residual"),
+                                           g.reshape(-1) + _piece(before, key, "residual"), rtol=0, atol=0)

@@ -96,6 +96,31 @@ def test_parameter_unused_on_one_rank_gets_the_average():
     assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+_SKIPPED_BRANCH_METHODS = [("topk", {"ratio": 0.3, "bucketed": False}), ("topk", {"ratio": 0.3, "bucketed": True}),
+                           ("dgc", {"ratio": 0.3, "min_numel": 0, "warmup_epochs": 0})]
+
+
+def test_a_parameter_a_rank_did_not_use_keeps_its_error_feedback_under_ddp():
+    """find_unused_parameters=True: a rank withholds the feedback state of a parameter it did not use in
+    the step; DDP drops the result of one no rank used, so nothing of what it is owed is lost, and one
+    used by another rank still gets the average."""
+    scenarios = [(name, params, uses) for uses in (workers.branch_on_even_steps, workers.branch_on_rank0_odd_steps)
+                 for name, params in _SKIPPED_BRANCH_METHODS]
+    results = run_workers(workers.ddp_with_a_skipped_branch, 2, scenarios)
+    for i, (name, params, uses) in enumerate(scenarios):
+        runs = [results[rank][i] for rank in range(2)]
+        assert torch.equal(runs[0][1], runs[1][1]), (name, params, uses.__name__)
+        for rank, (steps, _) in enumerate(runs):
+            for step, (before, after, moved) in enumerate(steps):
+                used = uses(rank, step)
+                assert moved == any(uses(r, step) for r in range(2)), (name, params, uses.__name__, rank, step)
+                assert before.keys() == after.keys() or step == 0
+                kept = all(torch.equal(before[k], after[k]) for k in before)
+                assert kept != used or step == 0, (name, params, uses.__name__, rank, step)
+            # not vacuous: the branch is owed something when it is skipped
+            assert any(v.abs().sum() > 0 for v in steps[3][0].values()), (name, params, rank)
+
+
 def test_optimizer_rejects_bad_arguments():
     model = _model()
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -328,3 +328,54 @@ def run_scenarios(scenarios: dict, rank: int, world: int, tmp) -> dict:
         except Exception:
             out[name] = {"error": traceback.format_exc()}
     return out
+
+
+def ddp_with_a_skipped_branch(rank, world, scenarios):
+    """DDP(find_unused_parameters=True) over a model whose branch runs where ``uses(rank, step)``, for each
+    ``(name, params, uses)`` of ``scenarios``: per step, the branch's feedback state (its residual, or
+    DGC's momentum and velocity) before and after, and whether the branch's weights changed; then the
+    final parameters."""
+    return [_train_with_a_skipped_branch(rank, *scenario) for scenario in scenarios]
+
+
+def _train_with_a_skipped_branch(rank, name, params, uses):
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"trunk": nn.Linear(8, 8), "branch": nn.Linear(8, 8), "head": nn.Linear(8, 3)})
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = model
+
+        def forward(self, x, branch):
+            h = torch.relu(self.m["trunk"](x))
+            return self.m["head"](self.m["branch"](h) if branch else h)
+
+    ddp = nn.parallel.DistributedDataParallel(Net(), find_unused_parameters=True, bucket_cap_mb=0.0005)
+    state = gradzip.register(ddp, name, **params)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    branch = ("m.branch.weight", "m.branch.bias")
+
+    def owed():
+        return {(key, field): value.clone() for key in branch for field, value in state.tensors.get(key, {}).items()
+                if field in gradzip.feedback.STATE_KEYS and isinstance(value, torch.Tensor)}
+
+    steps = []
+    for step in range(6):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
+        before, weight = owed(), model["branch"].weight.detach().clone()
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x, uses(rank, step)), y).backward()
+        opt.step()
+        steps.append((before, owed(), not torch.equal(weight, model["branch"].weight)))
+    state.close()
+    return steps, _flat(model)
+
+
+def branch_on_even_steps(rank, step):
+    return step % 2 == 0
+
+
+def branch_on_rank0_odd_steps(rank, step):
+    return step < 2 or step % 2 == 0 or rank == 0

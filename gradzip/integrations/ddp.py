@@ -17,6 +17,7 @@ buckets are issued in the same order on every rank — even for multi-phase meth
 whose chained future callbacks reorder them in PyTorch's hook.
 """
 
+import functools
 import logging
 import os
 import time
@@ -106,6 +107,8 @@ def register(ddp_model: DistributedDataParallel, compressor="none", *, group: "O
     else:
         ddp_model.register_comm_hook(state, ddp_comm_hook)
     guard_momentum(state, ddp_model.module.parameters())
+    if reduced is None and ddp_model.find_unused_parameters and not ddp_model.static_graph:
+        state.local_use = _LocalUse(ddp_model)
     _log.info("gradzip.register: %s", state.describe(as_text=True))
     return state
 
@@ -170,6 +173,33 @@ class _DDPAllreduceCount:
             self.state.record_bucket_of(keys, elements, exchanges=1, plain=1)
 
 
+class _LocalUse:
+    """Which parameters this rank's syncing backward reached, as DDP's reducer marks them used under
+    ``find_unused_parameters=True`` (its own record is on the device, and complete only after the
+    last bucket): a hook on each parameter's gradient notes it, before DDP's hook on the same
+    gradient can make its bucket ready; a syncing forward starts the record afresh, so that, as in
+    DDP's, only the synced step's backward counts.
+
+    The hook withholds the others' error feedback (:meth:`GradzipState.exchange`'s ``withheld``):
+    DDP drops the result of a parameter no rank used, and with it the part of its residual sent."""
+
+    def __init__(self, ddp_model: DistributedDataParallel):
+        self.used: set = set()
+        self.handles = [p.register_hook(functools.partial(self._reached, p))
+                        for p in ddp_model.module.parameters() if p.requires_grad]
+        self.handles.append(ddp_model.register_forward_hook(self._after_forward))
+
+    def _reached(self, param, grad):
+        self.used.add(param)
+
+    def _after_forward(self, ddp_model, inputs, output):
+        if torch.is_grad_enabled() and ddp_model.require_backward_grad_sync:
+            self.used.clear()
+
+    def unused(self, named_params) -> list:
+        return [name for name, p in named_params if p not in self.used]
+
+
 def _saved_state(resume, rank: int) -> dict:
     """The gradzip state_dict that ``register(resume=...)`` names (see there)."""
     if isinstance(resume, (str, os.PathLike)):
@@ -224,7 +254,8 @@ def ddp_comm_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures
         state.record_bucket_of(keys, elements, exchanges=1, plain=1, hook_s=time.perf_counter() - start)
         return fut
     grads = bucket.gradients()
-    named = list(zip(_names(state, bucket.parameters()), grads))
+    params = bucket.parameters()
+    named = list(zip(_names(state, params), grads))
     dense_group = state.dense_group
     wire = state.plain_allreduce_dtype(named) if dense_group is not None else None
     always = wire is not None and state.always_plain_dtype(buffer.dtype) == wire
@@ -242,7 +273,8 @@ def ddp_comm_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures
         return fut
 
     # The aggregates are written into the gradients' views of the bucket's buffer, which DDP reads.
-    fut = state.submit(named, lambda aggregates: buffer, out=grads)
+    withheld = () if state.local_use is None else state.local_use.unused(zip((k for k, _ in named), params))
+    fut = state.submit(named, lambda aggregates: buffer, out=grads, withheld=withheld)
     if bucket.is_last() and not state.transport.issues_beside_other_groups(buffer.device):
         # DDP's reducer issues collectives of its own on its group once the last bucket's hook returns
         # (the map of used parameters, with find_unused_parameters) while gradzip's thread may still be
