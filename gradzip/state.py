@@ -337,8 +337,10 @@ class GradzipState:
 
     def _hold_back(self, named_grads: Sequence[tuple[str, torch.Tensor]], withheld: Collection[str]) -> list:
         """Zero the feedback state of the ``withheld`` gradients (their slice of a group's), in place;
-        returns what :meth:`_give_back` restores: (key, state name, offset, size, the saved values)."""
+        returns what :meth:`_give_back` restores: (key, state name, offset, the saved values, the whole
+        value's shape, dtype and device)."""
         withheld = set(withheld)
+        fields = _feedback.STATE_KEYS + self.compressor.owed_state
         held = []
         for key, members in self.exchanged_keys(named_grads):
             slot = self.tensors.get(key, {})
@@ -346,22 +348,25 @@ class GradzipState:
             for i in members:
                 name, g = named_grads[i]
                 if name in withheld:
-                    for field in _feedback.STATE_KEYS:
+                    for field in fields:
                         value = slot.get(field)
                         if isinstance(value, torch.Tensor) and value.is_contiguous() and value.numel() >= start + g.numel():
                             piece = value.view(-1)[start:start + g.numel()]
-                            held.append((key, field, start, g.numel(), piece.clone()))
+                            held.append((key, field, start, piece.clone(), value.shape, value.dtype, value.device))
                             piece.zero_()
                 start += g.numel()
         return held
 
     def _give_back(self, held: list) -> None:
         """Put back the state :meth:`_hold_back` saved, into whatever holds the key's state now (the
-        exchange may have committed new tensors), committed or not, failed or not."""
-        for key, field, start, size, saved in held:
-            value = self.tensors.get(key, {}).get(field)
-            if isinstance(value, torch.Tensor) and value.is_contiguous() and value.numel() >= start + size:
-                value.view(-1)[start:start + size].copy_(saved)
+        exchange may have committed new tensors), committed or not, failed or not; where the exchange
+        dropped the state (sent densely: nothing owed), into zeros for the rest of the key's."""
+        for key, field, start, saved, shape, dtype, device in held:
+            slot = self.tensors.setdefault(key, {})
+            value = slot.get(field)
+            if not (isinstance(value, torch.Tensor) and value.is_contiguous() and value.numel() >= start + saved.numel()):
+                value = slot[field] = torch.zeros(shape, dtype=dtype, device=device)
+            value.view(-1)[start:start + saved.numel()].copy_(saved)
 
     def _exchange_all(self, named_grads: Sequence[tuple[str, torch.Tensor]],
                       out: Optional[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
@@ -745,6 +750,8 @@ class GradzipState:
             if self._closed:
                 return
             self._closed = True
+            if self.local_use is not None:
+                self.local_use.remove()
             worker, self._worker = self._worker, None
             if worker is not None:
                 self._jobs.put(None)

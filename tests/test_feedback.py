@@ -279,19 +279,20 @@ def _piece(state, name, field):
             start += named[i][1].numel()
 
 
-@pytest.mark.parametrize("name, params", [("topk", {"ratio": 0.2}), ("dgc", {"ratio": 0.2, "min_numel": 0, "warmup_epochs": 0})])
+@pytest.mark.parametrize("name, params", [("topk", {"ratio": 0.2}), ("dgc", {"ratio": 0.2, "min_numel": 0, "warmup_epochs": 0}),
+                                          ("sparseloco", {"density": 0.2, "chunk": 16})])
 @pytest.mark.parametrize("route", [{"bucketed": True}, {"bucketed": False}, {"bucketed": False, "group_vectors_below": 64}])
 def test_withheld_gradients_keep_their_feedback_state(name, params, route):
     """exchange(withheld=...) (DDP's hook: a parameter this rank did not use) compresses those gradients
     as if owed nothing and leaves their state as it was; the others are exchanged with theirs."""
-    fields = scheme_of(make(name, **params)).state_keys
+    fields = scheme_of(make(name, **params)).state_keys + make(name, **params).owed_state
     states = {w: GradzipState(name, **params, **route) for w in ("withheld", "not")}
     for state in states.values():
         state.exchange(_named(0))
     owed = {f: _piece(states["withheld"], "b", f) for f in fields}
     owed = {f: v for f, v in owed.items() if v is not None and v.abs().sum() > 0}  # DGC sends vectors whole
     assert owed
-    got = {w: s.exchange(_named(1, zero="b"), withheld={"b"} if w == "withheld" else ()) for w, s in states.items()}
+    got = {w: s.exchange(_named(1, zero=("b",)), withheld={"b"} if w == "withheld" else ()) for w, s in states.items()}
     for f in owed:
         assert torch.equal(_piece(states["withheld"], "b", f), owed[f])
         assert not torch.equal(_piece(states["not"], "b", f), owed[f])  # what withholding saved
@@ -299,7 +300,21 @@ def test_withheld_gradients_keep_their_feedback_state(name, params, route):
     if name == "topk":  # the others conserve g + e: what was sent plus what is owed now
         before = GradzipState(name, **params, **route)
         before.exchange(_named(0))
-        for i, (key, g) in enumerate(_named(1, zero="b")):
+        for i, (key, g) in enumerate(_named(1, zero=("b",))):
             if key != "b":
                 torch.testing.assert_close(got["withheld"][i].reshape(-1) + _piece(states["withheld"], key, "residual"),
                                            g.reshape(-1) + _piece(before, key, "residual"), rtol=0, atol=0)
+
+
+def test_a_withheld_gradient_sent_densely_keeps_what_it_is_owed():
+    """An exchange that sends a tensor densely drops its residual (nothing is owed after it); a withheld
+    tensor's residual comes back all the same (here the method is made to send densely, as auto does
+    once it settles on a dense choice)."""
+    state = GradzipState("topk", ratio=0.2, bucketed=False, group_vectors_below=64)
+    state.exchange(_named(0))
+    owed = {k: _piece(state, k, "residual") for k in "ab"}
+    state.compressor.compresses = lambda ctx: False
+    state.exchange(_named(1, zero=("a", "b")), withheld={"a", "b"})
+    for k in "ab":
+        assert torch.equal(_piece(state, k, "residual"), owed[k])
+    assert torch.count_nonzero(_piece(state, "d", "residual")) == 0  # d, b's group's other member, was sent

@@ -1,6 +1,7 @@
 """DistributedOptimizer and DDP-hook behaviour that needs no second process (or uses threads as workers)."""
 from __future__ import annotations
 
+import contextlib
 
 import pytest
 import torch
@@ -119,6 +120,56 @@ def test_a_parameter_a_rank_did_not_use_keeps_its_error_feedback_under_ddp():
                 assert kept != used or step == 0, (name, params, uses.__name__, rank, step)
             # not vacuous: the branch is owed something when it is skipped
             assert any(v.abs().sum() > 0 for v in steps[3][0].values()), (name, params, rank)
+
+
+class _Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk, self.branch, self.head = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x, branch):
+        h = torch.relu(self.trunk(x))
+        return self.head(self.branch(h) if branch else h)
+
+
+@pytest.mark.parametrize("bucketed", [False, True])
+def test_what_ddp_delivers_plus_what_is_owed_is_every_gradient_with_unused_parameters(tmp_path, bucketed):
+    """One rank, find_unused_parameters=True, Top-k with its residual: at every synced step, for every
+    parameter DDP delivers a result to, delivered + owed now == accumulated gradient + owed before (a
+    branch used only in a no_sync() micro-step counts as used, as DDP counts it); a parameter no backward
+    reached since its last exchange gets nothing and keeps what it is owed, bit for bit."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model, reference = _Branchy(), _Branchy()
+        ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True, bucket_cap_mb=0.0001)
+        state = gradzip.register(ddp, "topk", ratio=0.3, bucketed=bucketed)
+        # per step: whether each micro-step (the last one synced) runs the branch
+        plan = [(True,), (False, True), (True, False), (False,), (False, False), (True,)]
+        owed = {}
+        for step, micro in enumerate(plan):
+            ddp.zero_grad()
+            reference.zero_grad()
+            for i, branch in enumerate(micro):
+                x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + i))
+                reference(x, branch).square().sum().backward()
+                with ddp.no_sync() if i < len(micro) - 1 else contextlib.nullcontext():
+                    ddp(x, branch).square().sum().backward()
+            for name, p in model.named_parameters():
+                g = dict(reference.named_parameters())[name].grad
+                residual = state.tensors[name]["residual"]
+                before = owed.get(name, torch.zeros_like(residual))
+                if g is None:  # no backward reached it since its last exchange
+                    assert p.grad is None and torch.equal(residual, before), (step, name)
+                else:
+                    torch.testing.assert_close(p.grad + residual, g + before, rtol=0, atol=0)
+                owed[name] = residual.clone()
+        assert any(owed[f"branch.{k}"].abs().sum() > 0 for k in ("weight", "bias"))
+        state.close()  # takes its hooks off the parameters
+        assert not any(p._backward_hooks for p in model.parameters())
+    finally:
+        dist.destroy_process_group()
 
 
 def test_optimizer_rejects_bad_arguments():

@@ -368,6 +368,9 @@ class Compressor:
 
     #: The error-feedback schemes this method accepts (``momentum`` needs momentum parameters).
     feedbacks: ClassVar[tuple] = ("none", "residual")
+    #: Names of the method's own per-tensor state that holds gradient it owes (sends later), as error
+    #: feedback's does: a withheld gradient keeps it (``GradzipState.exchange(withheld=...)``).
+    owed_state: ClassVar[tuple] = ()
 
     def __init__(self, feedback: Optional[str] = None):
         feedback = feedback if feedback is not None else self.default_feedback

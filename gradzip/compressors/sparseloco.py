@@ -44,6 +44,7 @@ class SparseLoCo(Compressor):
     feedbacks = ("none",)
     deterministic = True
     state_key = "sparseloco_error"  # distinct from feedback.py's "residual"
+    owed_state = (state_key,)
 
     def __init__(self, density: float = 0.02, chunk: int = 4096, decay: float = 0.95,
                  feedback: Optional[str] = None):

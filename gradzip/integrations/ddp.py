@@ -174,30 +174,36 @@ class _DDPAllreduceCount:
 
 
 class _LocalUse:
-    """Which parameters this rank's syncing backward reached, as DDP's reducer marks them used under
-    ``find_unused_parameters=True`` (its own record is on the device, and complete only after the
-    last bucket): a hook on each parameter's gradient notes it, before DDP's hook on the same
-    gradient can make its bucket ready; a syncing forward starts the record afresh, so that, as in
-    DDP's, only the synced step's backward counts.
+    """Which parameters this rank's backward reached since their bucket was last exchanged, as DDP's
+    reducer marks them used under ``find_unused_parameters=True`` (its own record is on the device,
+    and complete only after the last bucket): a hook on each parameter's gradient notes it, before
+    DDP's hook on the same gradient can make its bucket ready.  Like DDP's, the record includes the
+    ``no_sync()`` steps since the last synced one; a bucket's exchange takes its parameters' marks.
 
     The hook withholds the others' error feedback (:meth:`GradzipState.exchange`'s ``withheld``):
-    DDP drops the result of a parameter no rank used, and with it the part of its residual sent."""
+    DDP drops the result of a parameter no rank used, and with it the part of its residual sent.
+    A parameter without the hook (frozen when ``register`` ran) is never withheld."""
 
     def __init__(self, ddp_model: DistributedDataParallel):
         self.used: set = set()
-        self.handles = [p.register_hook(functools.partial(self._reached, p))
-                        for p in ddp_model.module.parameters() if p.requires_grad]
-        self.handles.append(ddp_model.register_forward_hook(self._after_forward))
+        self.watched = {p for p in ddp_model.module.parameters() if p.requires_grad}
+        self.handles = [p.register_hook(functools.partial(self._reached, p)) for p in self.watched]
 
     def _reached(self, param, grad):
-        self.used.add(param)
-
-    def _after_forward(self, ddp_model, inputs, output):
-        if torch.is_grad_enabled() and ddp_model.require_backward_grad_sync:
-            self.used.clear()
+        if grad is not None:  # an undefined gradient: DDP does not count the parameter used either
+            self.used.add(param)
 
     def unused(self, named_params) -> list:
-        return [name for name, p in named_params if p not in self.used]
+        """The names of the parameters not reached since their last exchange; takes their marks."""
+        named_params = list(named_params)
+        unused = [name for name, p in named_params if p in self.watched and p not in self.used]
+        self.used.difference_update(p for _, p in named_params)
+        return unused
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles, self.watched = [], set()
 
 
 def _saved_state(resume, rank: int) -> dict:
@@ -256,6 +262,7 @@ def ddp_comm_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures
     grads = bucket.gradients()
     params = bucket.parameters()
     named = list(zip(_names(state, params), grads))
+    withheld = () if state.local_use is None else state.local_use.unused(zip((k for k, _ in named), params))
     dense_group = state.dense_group
     wire = state.plain_allreduce_dtype(named) if dense_group is not None else None
     always = wire is not None and state.always_plain_dtype(buffer.dtype) == wire
@@ -273,7 +280,6 @@ def ddp_comm_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures
         return fut
 
     # The aggregates are written into the gradients' views of the bucket's buffer, which DDP reads.
-    withheld = () if state.local_use is None else state.local_use.unused(zip((k for k, _ in named), params))
     fut = state.submit(named, lambda aggregates: buffer, out=grads, withheld=withheld)
     if bucket.is_last() and not state.transport.issues_beside_other_groups(buffer.device):
         # DDP's reducer issues collectives of its own on its group once the last bucket's hook returns
