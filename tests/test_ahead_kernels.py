@@ -52,6 +52,16 @@ CASES = [
 ]
 QUANTISERS = ("qsgd", "terngrad", "natural")
 IDS = [f"{m}-{'-'.join(f'{k}={v}' for k, v in p.items())}" for m, p, _ in CASES]
+#: The cases the default run compiles (some 15-30 s a kernel on 2 cores), one of each kind of kernel: a
+#: quantiser's encoding, residual and decoding (QSGD, which the conformance tier's user job compiles
+#: too), signs packed to bits and their decoding (EF-signSGD), a counter hash (Random-k), a cast's share
+#: (fp16).  The others run with GRADZIP_SLOW=1, as on a GPU (tests/stacks/test_gpu.py takes them all).
+REPRESENTATIVE = {"qsgd", "efsignsgd", "randomk", "fp16"}
+
+
+def tiered(cases: list, ids: list) -> list:
+    return [pytest.param(*case, id=case_id, marks=() if case[0] in REPRESENTATIVE else pytest.mark.slow)
+            for case, case_id in zip(cases, ids)]
 #: Odd shapes together: an empty tensor, one element, a QSGD chunk cut short, a non-power-of-two count.
 SHAPES = [(64, 33), (33,), (0, 3), (1,), (100, 7), (5,)]
 
@@ -146,7 +156,7 @@ def no_failure(monkeypatch):
     kernels.settle()  # nothing of a test's keeps compiling into the next
 
 
-@pytest.mark.parametrize("method, params, names", CASES, ids=IDS)
+@pytest.mark.parametrize("method, params, names", tiered(CASES, IDS))
 def test_kernels_compiled_ahead_agree_with_reference_bit_for_bit(method, params, names, monkeypatch):
     compare_with_reference(method, params, names, monkeypatch)
 
@@ -175,9 +185,9 @@ def test_kernel_arguments_start_aligned(monkeypatch):
 
 
 @pytest.mark.parametrize("method, names", [("qsgd", ("_bucket_decoded",)),
-                                           ("terngrad", ("_codes_summed", "_segments_scaled")),
-                                           ("onebit", ("_onebit_decoded",)),
-                                           ("signsgd", ("_bucket_trit_vote",)),
+                                           pytest.param("terngrad", ("_codes_summed", "_segments_scaled"), marks=pytest.mark.slow),
+                                           pytest.param("onebit", ("_onebit_decoded",), marks=pytest.mark.slow),
+                                           pytest.param("signsgd", ("_bucket_trit_vote",), marks=pytest.mark.slow),
                                            ("efsignsgd", ("_ef_decoded",))])
 def test_decoding_kernels_sum_two_ranks_in_rank_order(method, names, monkeypatch):
     """Two ranks (threads), each rank's payload decoded by one kernel (the first written, the next added

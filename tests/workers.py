@@ -241,6 +241,11 @@ def train_digits(rank, world, name, params, epochs, optimizer_momentum):
     return accuracy, state.stats()
 
 
+def train_with_checkpoints(rank, world, names, steps, resume_from, ckpt_dir):
+    """:func:`train_with_checkpoint` for each method of ``names`` in turn, in one process; a list."""
+    return [train_with_checkpoint(rank, world, name, steps, resume_from, ckpt_dir) for name in names]
+
+
 def train_with_checkpoint(rank, world, name, steps, resume_from, ckpt_dir):
     """DDP + gradzip; saves model/optimizer/gradzip state after ``steps`` steps, or resumes from a save."""
     import os
@@ -249,7 +254,7 @@ def train_with_checkpoint(rank, world, name, steps, resume_from, ckpt_dir):
     ddp = nn.parallel.DistributedDataParallel(model)
     state = gradzip.register(ddp, name, **params_for(name))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.0 if name == "dgc" else 0.9)
-    path = os.path.join(ckpt_dir, f"rank{rank}.pt")
+    path = os.path.join(ckpt_dir, f"{name}-rank{rank}.pt")
     first = 0
     if resume_from is not None:
         saved = torch.load(path, weights_only=False)
@@ -264,6 +269,7 @@ def train_with_checkpoint(rank, world, name, steps, resume_from, ckpt_dir):
         opt.step()
     if resume_from is None:
         torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "gradzip": state.state_dict()}, path)
+    state.close()
     return _flat(model)
 
 

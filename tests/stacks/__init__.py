@@ -15,6 +15,7 @@ across ranks, falling loss, and resumed == uninterrupted:
     test_distributed_optimizer.py  gradzip.DistributedOptimizer with StepLR, GradScaler, state_dict
     test_gpu.py                    the same scripts on CUDA with NCCL (skipped without CUDA)
 
-``python3 -m pytest -q tests/stacks`` takes about 2.5 minutes on 2 cores (plus up to a minute the first
-time, while torch.compile fills its cache); ``GRADZIP_SLOW=1`` adds the 50-launch abort count.
+``python3 -m pytest -q tests/stacks`` takes some 2.5-8 minutes on 2 cores, as fast as the machine (plus up
+to a minute the first time, while torch.compile fills its cache); ``GRADZIP_SLOW=1`` adds the tutorial's
+launch for every method and the 50-launch abort count.
 """

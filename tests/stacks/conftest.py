@@ -1,26 +1,13 @@
 """Fixtures of the conformance tier: one launch serves many tests (see launch.Plan)."""
-import os
-from pathlib import Path
-
 import pytest
 
 from .launch import Plan
 from .methods import METHODS, params
 
-HERE = Path(__file__).resolve().parent
 #: Methods the GPT script also runs with its biases and norms' weights exchanged in groups.
 GROUPED = ("topk", "qsgd", "efsignsgd", "onebit", "sparseloco", "dgc", "auto")
 GPT_FEATURES = ("plain", "bf16", "fp16", "accumulate", "unused", "frozen", "static", "bucket_view", "join",
                 "compile")  # compile last: its first run compiles (about 15-60 s on 2 cores), the others reuse it
-
-
-def pytest_collection_modifyitems(config, items):
-    slow = pytest.mark.skip(reason="50 launches per method: set GRADZIP_SLOW=1 to run")
-    for item in items:
-        if HERE not in item.path.parents:
-            continue
-        if "slow" in item.keywords and os.environ.get("GRADZIP_SLOW") != "1":
-            item.add_marker(slow)
 
 
 @pytest.fixture(scope="session")
