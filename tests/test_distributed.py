@@ -12,7 +12,9 @@ STEPS = 6
 DETERMINISTIC = ["none", "topk", "dgc", "csc", "powersgd"]
 
 
-@pytest.fixture(scope="module", params=[("ddp", 2), ("optimizer", 2), ("ddp", 4), ("optimizer", 4)],
+# Four ranks under the optimizer wrapper too in the slow tier: four processes on 2 cores take 27 s.
+@pytest.fixture(scope="module", params=[("ddp", 2), ("optimizer", 2), ("ddp", 4),
+                                        pytest.param(("optimizer", 4), marks=pytest.mark.slow)],
                 ids=lambda p: f"{p[0]}-{p[1]}ranks")
 def trained(request):
     integration, world = request.param
