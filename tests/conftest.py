@@ -2,8 +2,8 @@
 compiles once per session, in a child process), not the user's (``~/.cache/gradzip/kernels``), unless
 ``GRADZIP_KERNEL_CACHE`` names one (scripts/gpu_check.sh shares its benchmarks' with the tests).
 
-Tests marked ``slow`` (repetitions, and the sweeps of every method or kernel form whose representatives
-the default run keeps) run only with ``GRADZIP_SLOW=1``: the default run stays within CI's time."""
+Tests marked ``slow`` (repetitions, and sweeps of every kernel form, method or world size whose
+representatives the default run keeps) run only with ``GRADZIP_SLOW=1``: the default run stays within CI's time."""
 from __future__ import annotations
 
 import os
@@ -14,7 +14,7 @@ import pytest
 def pytest_collection_modifyitems(config, items):
     if os.environ.get("GRADZIP_SLOW") == "1":
         return
-    slow = pytest.mark.skip(reason="slow tier (repetitions, every method or form): set GRADZIP_SLOW=1 to run")
+    slow = pytest.mark.skip(reason="slow tier (repetitions; every kernel form, method, world size): set GRADZIP_SLOW=1 to run")
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(slow)

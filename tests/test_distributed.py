@@ -1,4 +1,5 @@
-"""Real multi-process runs over gloo: both integrations, every compressor, 2 and 4 ranks."""
+"""Real multi-process runs over gloo: both integrations, every compressor, 2 and 4 ranks (4 under the
+optimizer wrapper in the slow tier)."""
 from __future__ import annotations
 
 import pytest

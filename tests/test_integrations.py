@@ -125,8 +125,9 @@ def test_a_parameter_a_rank_did_not_use_keeps_its_error_feedback_under_ddp():
 class _Branchy(nn.Module):
     def __init__(self):
         super().__init__()
-        torch.manual_seed(0)
-        self.trunk, self.branch, self.head = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+        with torch.random.fork_rng():  # the same weights every time, the test process's RNG untouched
+            torch.manual_seed(0)
+            self.trunk, self.branch, self.head = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 3)
 
     def forward(self, x, branch):
         h = torch.relu(self.trunk(x))

@@ -6,7 +6,7 @@ plumbing that lets one launch train many runs.  The tests launch them with
 ``python -m torch.distributed.run`` (``launch.py``) and check exit codes, bit-identical parameters
 across ranks, falling loss, and resumed == uninterrupted:
 
-    test_ddp_tutorial.py           the DDP tutorial script, one launch per method (slow: 50 per method)
+    test_ddp_tutorial.py           the DDP tutorial script, one launch per kind of method (slow: each, 50 times)
     test_gpt_features.py           GPT script: every method x AdamW, bf16, fp16 + GradScaler, no_sync
                                    accumulation, torch.compile, unused/frozen parameters, static graph,
                                    gradient_as_bucket_view, uneven inputs under Join
@@ -15,7 +15,7 @@ across ranks, falling loss, and resumed == uninterrupted:
     test_distributed_optimizer.py  gradzip.DistributedOptimizer with StepLR, GradScaler, state_dict
     test_gpu.py                    the same scripts on CUDA with NCCL (skipped without CUDA)
 
-``python3 -m pytest -q tests/stacks`` takes some 2.5-8 minutes on 2 cores, as fast as the machine (plus up
+``python3 -m pytest -q tests/stacks`` takes 2.5 to 8 minutes on 2 cores, depending on the machine (plus up
 to a minute the first time, while torch.compile fills its cache); ``GRADZIP_SLOW=1`` adds the tutorial's
 launch for every method and the 50-launch abort count.
 """
