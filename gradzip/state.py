@@ -709,7 +709,7 @@ class GradzipState:
         try:
             with self._stream_for(device, ready), contextlib.nullcontext() if compiles else kernels.compiled_only():
                 started = time.perf_counter()
-                aggregates = self.exchange(named, out, withheld)
+                aggregates = self.exchange(named, out, withheld) if withheld else self.exchange(named, out)
                 report = self.last_report
                 self.record_bucket(named, exchanges=1, queued_s=started - submitted, compress_s=report.compress_s,
                                    communicate_s=report.communicate_s, decompress_s=report.decompress_s)

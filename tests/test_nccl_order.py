@@ -68,9 +68,9 @@ def last_hook_and_the_thread(rank, world):
         state = gradzip.GradzipState("topk", ratio=0.5)
         exchange = state.exchange
 
-        def slow(named, out=None):  # on gradzip's thread: DDP's own collectives would come first
+        def slow(named, out=None, withheld=()):  # on gradzip's thread: DDP's own collectives would come first
             time.sleep(0.2)
-            return exchange(named, out)
+            return exchange(named, out, withheld)
 
         state.exchange = slow
         done = seen[backend] = []
