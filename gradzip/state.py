@@ -76,6 +76,14 @@ def _each_alone(named_grads: Sequence[tuple[str, torch.Tensor]]) -> list:
     return [(key, [i]) for i, (key, _) in enumerate(named_grads)]
 
 
+def _piece(value, start: int, size: int) -> Optional[torch.Tensor]:
+    """A view of elements ``start`` to ``start + size`` of a tensor's memory (a key's own state, or one
+    vector's slice of its group's); None where ``value`` is no tensor holding them in one run."""
+    if isinstance(value, torch.Tensor) and value.is_contiguous() and value.numel() >= start + size:
+        return value.view(-1)[start:start + size]
+    return None
+
+
 def _small(g: torch.Tensor, below: int) -> bool:
     return g.dim() <= 1 and g.numel() < below
 
@@ -233,7 +241,7 @@ class GradzipState:
         #: (bucket index, buffer address, size): their keys, element count, element size and wire dtype.
         self.always_plain: dict = {}
         #: Set by ``register`` under ``find_unused_parameters=True``: what says which parameters this
-        #: rank's backward reached in the step (``used``), so that the hook withholds the others.
+        #: rank's backward reached since their bucket's last exchange, so that the hook withholds the others.
         self.local_use = None
         #: Whether :meth:`load_state_dict` ran: integrations that were asked to resume check it.
         self.loaded = False
@@ -320,8 +328,8 @@ class GradzipState:
         Small vectors (``group_vectors_below``) are joined into one tensor, compressed as one and split
         again; their state is kept under the group's key (:meth:`exchanged_keys`).
 
-        ``withheld``: names of gradients whose error-feedback state (residual; DGC's momentum and
-        velocity) sits this exchange out: each is compressed as if it were owed nothing, and its state
+        ``withheld``: names of gradients whose owed state (error feedback's residual, DGC's momentum and
+        velocity, a method's ``owed_state``) sits this exchange out: each is compressed as if it were owed nothing, and its state
         is left as it was.  DDP's hook withholds the parameters this rank did not use in the step
         (``find_unused_parameters=True``), whose results DDP drops where no rank used them.
         """
@@ -350,8 +358,8 @@ class GradzipState:
                 if name in withheld:
                     for field in fields:
                         value = slot.get(field)
-                        if isinstance(value, torch.Tensor) and value.is_contiguous() and value.numel() >= start + g.numel():
-                            piece = value.view(-1)[start:start + g.numel()]
+                        piece = _piece(value, start, g.numel())
+                        if piece is not None:
                             held.append((key, field, start, piece.clone(), value.shape, value.dtype, value.device))
                             piece.zero_()
                 start += g.numel()
@@ -363,10 +371,11 @@ class GradzipState:
         dropped the state (sent densely: nothing owed), into zeros for the rest of the key's."""
         for key, field, start, saved, shape, dtype, device in held:
             slot = self.tensors.setdefault(key, {})
-            value = slot.get(field)
-            if not (isinstance(value, torch.Tensor) and value.is_contiguous() and value.numel() >= start + saved.numel()):
-                value = slot[field] = torch.zeros(shape, dtype=dtype, device=device)
-            value.view(-1)[start:start + saved.numel()].copy_(saved)
+            piece = _piece(slot.get(field), start, saved.numel())
+            if piece is None:
+                slot[field] = torch.zeros(shape, dtype=dtype, device=device)
+                piece = _piece(slot[field], start, saved.numel())
+            piece.copy_(saved)
 
     def _exchange_all(self, named_grads: Sequence[tuple[str, torch.Tensor]],
                       out: Optional[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
