@@ -1,5 +1,5 @@
-"""Launching local worker processes: a rendezvous port, a watchdog over spawned workers, and
-:func:`run_workers`, which runs a function in N spawned gloo processes and returns their results.
+"""Launching local worker processes: a rendezvous port, a fork server that starts them, a watchdog over
+them, and :func:`run_workers`, which runs a function in N gloo processes and returns their results.
 
 The trainer, the cost model's link calibration, the benchmarks and the multi-process tests launch
 workers with it.  It imports only torch and the standard library (and :mod:`gradzip.netem` when asked to
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["free_port", "wait_for_workers", "run_workers"]
+__all__ = ["free_port", "worker_context", "start_worker", "wait_for_workers", "run_workers"]
 
 
 def free_port() -> int:
@@ -29,9 +29,40 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def worker_context():
+    """The multiprocessing context local workers start from: a fork server that has imported torch and
+    gradzip once, for this process's lifetime.
+
+    A freshly spawned interpreter spends seconds of a core importing torch before a worker does anything;
+    one forked from the server starts at once.  The server never runs a kernel, touches a device or starts
+    a thread pool, so a worker inherits nothing but imported modules (CUDA may be used in it, unlike after
+    a plain fork).  Start workers with :func:`start_worker`, which hands them this process's environment.
+    """
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "gradzip"])  # a server already running keeps what it has
+    return ctx
+
+
+def _in_environment(environment: dict, target: Callable, args: tuple):
+    # The server was started once with the environment of that moment; a worker runs in its caller's
+    # environment as of its start, as a spawned one would.
+    os.environ.clear()
+    os.environ.update(environment)
+    return target(*args)
+
+
+def start_worker(target: Callable, args: tuple = (), ctx=None):
+    """Start ``target(*args)`` in a process of :func:`worker_context` (``ctx``, if already made), with
+    this process's current environment; returns the started process.  ``target`` must be importable."""
+    ctx = ctx or worker_context()
+    process = ctx.Process(target=_in_environment, args=(dict(os.environ), target, args))
+    process.start()
+    return process
+
+
 def wait_for_workers(procs: Sequence, timeout: Optional[float],
                      stalled: Optional[Callable[[], bool]] = None) -> bool:
-    """Wait for spawned worker processes; returns False if ``timeout`` seconds passed first.
+    """Wait for worker processes; returns False if ``timeout`` seconds passed first.
 
     As soon as one worker exits with an error the others are killed: they would wait forever in a
     collective for their dead peer.  At the deadline every worker still running is killed too, and so
@@ -80,7 +111,7 @@ def _entry(rank, world, address, port, namespace, out_dir, fn, args):
 
 def run_workers(fn: Callable, workers: int, *args, netem: Optional[str] = None, timeout: float = 300.0,
                 every_rank: bool = False):
-    """Run ``fn(rank, workers, *args)`` in ``workers`` spawned gloo processes and return rank 0's result
+    """Run ``fn(rank, workers, *args)`` in ``workers`` gloo processes (:func:`start_worker`) and return rank 0's result
     (``every_rank``: the list of every rank's result).
 
     With ``netem`` (e.g. "rate=1gbit") every worker runs in its own network namespace of an
@@ -98,15 +129,12 @@ def run_workers(fn: Callable, workers: int, *args, netem: Optional[str] = None, 
 
 
 def _spawn(fn, workers, args, cluster, timeout):
-    ctx = mp.get_context("spawn")
     address = cluster.address(0) if cluster else "127.0.0.1"
     port = free_port()
     with tempfile.TemporaryDirectory() as out_dir:
-        procs = [ctx.Process(target=_entry, args=(r, workers, address, port,
-                                                  cluster.namespace(r) if cluster else None, out_dir, fn, args))
+        procs = [start_worker(_entry, (r, workers, address, port, cluster.namespace(r) if cluster else None,
+                                       out_dir, fn, args))
                  for r in range(workers)]
-        for p in procs:
-            p.start()
         finished = wait_for_workers(procs, timeout)
         # The first traceback written is the cause; the others are ranks that lost their peer.
         errors = sorted((os.path.join(out_dir, name) for name in os.listdir(out_dir) if name.startswith("error")),

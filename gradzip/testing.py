@@ -423,7 +423,7 @@ def _check_reuse_across_ranks(factory, c, exact, world=3, steps=3):
 
 
 def _distributed_worker(rank, world, factory, steps):
-    """Runs in each spawned process: ``steps`` exchanges of regular and odd tensors; returns the outputs."""
+    """Runs in each worker process: ``steps`` exchanges of regular and odd tensors; returns the outputs."""
     state = GradzipState(factory())
     outs = []
     for step in range(steps):

@@ -1,4 +1,4 @@
-"""Worker functions run in spawned processes (or threads) by the distributed tests."""
+"""Worker functions run in worker processes (or threads) by the distributed tests."""
 from __future__ import annotations
 
 import contextlib
@@ -385,3 +385,14 @@ def branch_on_even_steps(rank, step):
 
 def branch_on_rank0_odd_steps(rank, step):
     return step < 2 or step % 2 == 0 or rank == 0
+
+
+def where_started(rank, world, names):
+    """The environment variables ``names`` as this worker sees them, its parent's pid, and whether that
+    parent (the launcher's fork server) has torch's library mapped."""
+    import os
+
+    parent = os.getppid()
+    with open(f"/proc/{parent}/maps") as maps:
+        parent_has_torch = "libtorch_cpu" in maps.read()
+    return {name: os.environ.get(name) for name in names}, parent, parent_has_torch

@@ -26,14 +26,13 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 import gradzip
 from gradzip.compressors import Compressor, compressor_class, parse_value
 from gradzip.integrations.diloco import OPTIONS as OUTER_OPTIONS, check_options
-from gradzip.launcher import free_port, wait_for_workers
+from gradzip.launcher import free_port, start_worker, wait_for_workers, worker_context
 from gradzip.state import check_group_vectors_below
 
 from .data import load_dataset, passes_over_data
@@ -188,13 +187,11 @@ def launch(config: TrainConfig) -> dict:
 def _spawn(config: TrainConfig, cluster) -> dict:
     os.environ["MASTER_ADDR"] = cluster.address(0) if cluster else "127.0.0.1"
     os.environ["MASTER_PORT"] = str(free_port())
-    ctx = mp.get_context("spawn")
+    ctx = worker_context()
     ticks = ctx.Array("q", config.workers, lock=False) if config.stall_s else None  # one counter per rank
-    procs = [ctx.Process(target=_worker, args=(r, config.workers, config, False,
-                                               cluster.namespace(r) if cluster else None, ticks))
+    procs = [start_worker(_worker, (r, config.workers, config, False, cluster.namespace(r) if cluster else None,
+                                    ticks), ctx)
              for r in range(config.workers)]
-    for p in procs:
-        p.start()
     stall = _StallWatch(ticks, config.stall_s) if ticks is not None else None
     if not wait_for_workers(procs, config.timeout_s, stalled=stall):
         if stall is not None and stall.fired:
