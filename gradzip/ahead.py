@@ -18,7 +18,7 @@ package's name, so no process tries it again (delete the file to retry).
 Packages are compiled with Inductor's eager-numerics options (no contracted multiply-adds, division and
 denormals as eager): a kernel gives its reference path's bits, so a run does not depend on when its
 compiles finished.  A CPU's package, which only tests and checks build, has its wrapper (the host code
-around the loops) compiled at -O0 (:func:`gradzip.devices.optimises_ahead_wrapper`).  A package is named by a digest of the kernel, its constants, the form, the options,
+around the loops) compiled at -O0 and its loops at -O1 (:func:`gradzip.devices.optimises_ahead`).  A package is named by a digest of the kernel, its constants, the form, the options,
 torch's version, what it is compiled for (:func:`gradzip.devices.compile_target`: a CPU's instruction
 set, a GPU's compute capability) and every source file of gradzip, so changed code compiles again.
 
@@ -55,6 +55,11 @@ COMPILE_TIMEOUT_S = 1800
 #: Example sizes of a form: odd, apart from each other and from 0 and 1, which an export would
 #: specialise, in the order of the first call's sizes; the child checks the package on these plus 0..7.
 _EXAMPLE, _APART, _CHECKED = 4099, 16, 8
+
+
+#: gradzip's own entry of a package's options (part of its name, not passed to Inductor): the level its
+#: loops' C++ is compiled at, where not Inductor's -O3.
+LOOPS_LEVEL = "gradzip.loops_opt_level"
 
 
 def cache_dir() -> str:
@@ -356,7 +361,9 @@ def _main(spec: dict) -> None:
     exported = torch.export.export(Wrapped(), _examples(spec, 0, zeros=True), dynamic_shapes=(dynamic,), strict=False)
     mins = _least_sizes(exported, shapes, spec["kernel"])
     part = f"{spec['path'].removesuffix('.pt2')}.{socket.gethostname()}.{os.getpid()}"
-    torch._inductor.aoti_compile_and_package(exported, package_path=part + ".pt2", inductor_configs=spec["options"])
+    options = dict(spec["options"])
+    _compile_loops_at(options.pop(LOOPS_LEVEL, None))
+    torch._inductor.aoti_compile_and_package(exported, package_path=part + ".pt2", inductor_configs=options)
     _unpack_in_scratch()
     package = Package(torch._inductor.aoti_load_package(part + ".pt2", device_index=_index(spec["device"])), mins)
     for extra in range(_CHECKED):  # every residue mod 8 of every size: export keeps guards the package drops
@@ -369,6 +376,20 @@ def _main(spec: dict) -> None:
         os.fsync(meta.fileno())
     os.replace(part + ".json", spec["path"] + ".json")
     os.replace(part + ".pt2", spec["path"])
+
+
+def _compile_loops_at(level: Optional[str]) -> None:
+    """Have this child's C++ loops compiled at ``level`` instead of -O3.  Inductor has no option for it:
+    the function that gives its flags is wrapped (a torch without it compiles at -O3, slower, no worse)."""
+    from torch._inductor import cpp_builder
+    flags = getattr(cpp_builder, "_get_optimization_cflags", None)
+    if level is None or flags is None:
+        return
+
+    def at_level(*args, **kwargs):
+        cflags, ldflags = flags(*args, **kwargs)
+        return [level if flag == "O3" else flag for flag in cflags], ldflags
+    cpp_builder._get_optimization_cflags = at_level
 
 
 def _as_form(shapes: list) -> tuple:

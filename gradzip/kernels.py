@@ -306,11 +306,14 @@ def _eager_numerics() -> dict:
 
 
 def _ahead_options(device) -> dict:
-    """A package's Inductor options: eager rounding, and its wrapper unoptimised where nothing times it."""
+    """A package's options: eager rounding, and its wrapper and loops less optimised where nothing times
+    them (:func:`gradzip.devices.optimises_ahead`; the loops' level is gradzip's own option)."""
     from torch._inductor import config
     options = _eager_numerics()
-    if not devices.optimises_ahead_wrapper(device) and hasattr(config.aot_inductor, "compile_wrapper_opt_level"):
-        options["aot_inductor.compile_wrapper_opt_level"] = "O0"
+    if not devices.optimises_ahead(device):
+        if hasattr(config.aot_inductor, "compile_wrapper_opt_level"):
+            options["aot_inductor.compile_wrapper_opt_level"] = "O0"
+        options[ahead.LOOPS_LEVEL] = "O1"
     return options
 
 

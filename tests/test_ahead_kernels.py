@@ -597,20 +597,26 @@ def test_an_ordered_kernel_is_checked_bit_for_bit(dtype):
         assert ahead._same(b, b.clone()) and not ahead._same(b, torch.tensor([1.5, 0.0, 0.0, 3.0]).to(b.dtype))
 
 
-def test_a_cpus_package_leaves_its_wrapper_unoptimised(monkeypatch):
-    """Only tests and checks build CPU packages: their wrapper compiles at -O0, a GPU's optimised; the
-    options are part of the package's name, so the two never share a file."""
-    from torch._inductor import config
-    if not hasattr(config.aot_inductor, "compile_wrapper_opt_level"):
-        pytest.skip("this torch's Inductor has no wrapper optimisation level")
+def test_a_cpus_package_is_compiled_less_optimised(monkeypatch):
+    """Only tests and checks build CPU packages: their wrapper compiles at -O0 and their loops at -O1, a
+    GPU's at Inductor's levels; the options are part of the package's name, so the two never share a file."""
+    from torch._inductor import config, cpp_builder
     cpu = kernels._ahead_options(torch.device("cpu"))
-    monkeypatch.setattr(devices, "optimises_ahead_wrapper", lambda where: True)
+    monkeypatch.setattr(devices, "optimises_ahead", lambda where: True)
     gpu = kernels._ahead_options(torch.device("cpu"))
-    assert cpu["aot_inductor.compile_wrapper_opt_level"] == "O0"
-    assert {k: v for k, v in cpu.items() if k != "aot_inductor.compile_wrapper_opt_level"} == gpu
+    if hasattr(config.aot_inductor, "compile_wrapper_opt_level"):
+        assert cpu["aot_inductor.compile_wrapper_opt_level"] == "O0"
+    assert cpu[ahead.LOOPS_LEVEL] == "O1" and ahead.LOOPS_LEVEL not in gpu
+    assert {k: v for k, v in cpu.items() if k not in ("aot_inductor.compile_wrapper_opt_level", ahead.LOOPS_LEVEL)} == gpu
     kernel = kernel_named("_half_share")
     form = (("float32", "cpu", (-1,)),)
     assert ahead.package_path(kernel.fn, {}, form, cpu, "cpu") != ahead.package_path(kernel.fn, {}, form, gpu, "cpu")
+    # what the compiling child does with the loops' level: Inductor's flags for the loops say -O1
+    monkeypatch.setattr(cpp_builder, "_get_optimization_cflags", cpp_builder._get_optimization_cflags)
+    assert "O3" in cpp_builder._get_optimization_cflags("g++")[0]
+    ahead._compile_loops_at("O1")
+    cflags = cpp_builder._get_optimization_cflags("g++")[0]
+    assert "O1" in cflags and "O3" not in cflags, cflags
 
 
 def test_a_failing_compile_warns_once_and_keeps_the_reference_path(monkeypatch, tmp_path):

@@ -37,7 +37,7 @@ def test_the_pattern_finds_what_it_should():  # the check above cannot pass by m
 
 
 #: Predicates that say where a GPU's form is taken (the others say where a CPU's is).
-GPU_FORMS = {"cuda", "looks_up_rows_at_once", "runs_kernels_ahead", "optimises_ahead_wrapper"}
+GPU_FORMS = {"cuda", "looks_up_rows_at_once", "runs_kernels_ahead", "optimises_ahead"}
 
 
 @pytest.mark.parametrize("name", [n for n in devices.__all__ if n not in GPU_FORMS])
