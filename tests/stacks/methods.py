@@ -4,10 +4,25 @@ Defaults, except where a default would leave a small model's gradients uncompres
 these scripts train: DGC skips tensors under ``min_numel`` elements and warms up for 4 epochs, PowerSGD
 sends its first 10 steps densely.
 """
+import os
+
 import gradzip
 
 METHODS = tuple(gradzip.compressors())
 assert "auto" in METHODS
+
+#: One method of each way of exchanging: DDP's own allreduce (none), the hook's C++ allreduce of a cast
+#: (fp16), sparse pairs gathered (topk), sizes that depend on the data (threshold), chained low-rank
+#: phases (powersgd), packed codes on the bucket route (qsgd), a majority vote (signsgd), momentum
+#: correction (dgc), measured choices (auto).  The default run takes these where a launch would
+#: otherwise run every method (the plain runs still do); GRADZIP_SLOW=1 takes every method.
+EACH_WAY = ("none", "fp16", "topk", "threshold", "powersgd", "qsgd", "signsgd", "dgc", "auto")
+SLOW_TIER = os.environ.get("GRADZIP_SLOW") == "1"
+
+
+def each_way_unless_slow(methods=METHODS) -> tuple:
+    """``methods``, only those in EACH_WAY unless the slow tier runs."""
+    return tuple(m for m in methods if SLOW_TIER or m in EACH_WAY)
 
 _PARAMS = {
     "dgc": {"min_numel": 0, "warmup_epochs": 0},

@@ -11,7 +11,7 @@ their random numbers from a counter hash instead of torch's generator.
 import pytest
 
 from .launch import Plan
-from .methods import METHODS, deterministic, params
+from .methods import METHODS, SLOW_TIER, deterministic, params
 from .test_gpt_features import check_gpt_run
 
 #: Methods with a kernel on the route of these steps (the test checks that it ran).  Top-k's kernel
@@ -20,6 +20,8 @@ WITH_KERNELS = ("threshold", "adaptive_threshold", "dgc", "powersgd", "qsgd", "t
                 "signsgd", "signum", "efsignsgd", "onebit")
 #: Their kernels make uniforms from (index, seed) by a hash; the reference path calls torch.rand.
 OWN_DRAWS = ("qsgd", "terngrad", "natural")
+#: The default run launches the methods with a kernel on these steps' route; GRADZIP_SLOW=1 every method.
+KERNEL_METHODS = tuple(m for m in METHODS if SLOW_TIER or m in WITH_KERNELS)
 
 
 @pytest.fixture(scope="session")
@@ -27,11 +29,11 @@ def kernels_plan(chars, tmp_path_factory):
     folder = tmp_path_factory.mktemp("kernels")
     runs = [{"name": f"{feature}/{method}", "method": method, "params": params(method), "feature": feature,
              "deadline": 240}
-            for method in METHODS for feature in ("fused", "unfused")]
+            for method in KERNEL_METHODS for feature in ("fused", "unfused")]
     return Plan("gpt_ddp.py", runs, folder, timeout=540, budget=540).execute()
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", [m if m in WITH_KERNELS else pytest.param(m, marks=pytest.mark.slow) for m in METHODS])
 def test_with_and_without_kernels(kernels_plan, method):
     fused, unfused = kernels_plan.result(f"fused/{method}"), kernels_plan.result(f"unfused/{method}")
     for result in (fused, unfused):
