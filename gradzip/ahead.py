@@ -387,8 +387,10 @@ def _compile_loops_at(level: Optional[str]) -> None:
         return
 
     def at_level(*args, **kwargs):
-        cflags, ldflags = flags(*args, **kwargs)
-        return [level if flag == "O3" else flag for flag in cflags], ldflags
+        given = flags(*args, **kwargs)  # (cflags, ldflags); older torch: cflags alone
+        cflags = given[0] if isinstance(given, tuple) else given
+        cflags = [level if flag == "O3" else flag for flag in cflags]
+        return (cflags, *given[1:]) if isinstance(given, tuple) else cflags
     cpp_builder._get_optimization_cflags = at_level
 
 

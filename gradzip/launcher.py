@@ -7,6 +7,7 @@ emulate a network), so anything may import it without pulling in the rest of gra
 """
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 import tempfile
@@ -29,6 +30,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+#: Environment variables read once, as the interpreter starts or torch and its libraries load: the fork
+#: server has them as they were when it started, so a worker whose caller has changed one since is
+#: spawned instead.  Not those torch sets itself as it runs (KMP_*, TORCHINDUCTOR_CACHE_DIR).
+_READ_AT_START = ("PYTHON", "LD_", "OMP_", "GOMP_", "MKL_", "TORCH_LOGS", "TORCH_DISTRIBUTED_DEBUG",
+                  "TORCH_CPP_LOG_LEVEL", "TORCH_SHOW_CPP_STACKTRACES")
+_SERVER_ENVIRONMENT: dict = {}
+
+
+def _read_at_start() -> dict:
+    return {k: v for k, v in os.environ.items() if k.startswith(_READ_AT_START)}
+
+
 def worker_context():
     """The multiprocessing context local workers start from: a fork server that has imported torch and
     gradzip once, for this process's lifetime.
@@ -36,26 +49,37 @@ def worker_context():
     A freshly spawned interpreter spends seconds of a core importing torch before a worker does anything;
     one forked from the server starts at once.  The server never runs a kernel, touches a device or starts
     a thread pool, so a worker inherits nothing but imported modules (CUDA may be used in it, unlike after
-    a plain fork).  Start workers with :func:`start_worker`, which hands them this process's environment.
+    a plain fork).  Start workers with :func:`start_worker`, which hands them this process's environment
+    and runs their exit handlers.  Spawned interpreters instead where there is no fork server (Windows),
+    or where what the server read as it started has changed since (``_READ_AT_START``).  A worker's
+    standard output and error are the server's: this process's as they were when it started.
     """
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    if _SERVER_ENVIRONMENT.setdefault("started", _read_at_start()) != _read_at_start():
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "gradzip"])  # a server already running keeps what it has
     return ctx
 
 
-def _in_environment(environment: dict, target: Callable, args: tuple):
-    # The server was started once with the environment of that moment; a worker runs in its caller's
-    # environment as of its start, as a spawned one would.
+def _in_environment(environment: dict, forked: bool, target: Callable, args: tuple):
+    # A worker runs in its caller's environment as of its start, as a spawned one would.
     os.environ.clear()
     os.environ.update(environment)
-    return target(*args)
+    try:
+        return target(*args)
+    finally:
+        if forked:  # a fork server's child ends by os._exit: its exit handlers (gradzip closes its states
+            atexit._run_exitfuncs()  # and stops its compiles there) are run here, as interpreter exit would
 
 
 def start_worker(target: Callable, args: tuple = (), ctx=None):
     """Start ``target(*args)`` in a process of :func:`worker_context` (``ctx``, if already made), with
     this process's current environment; returns the started process.  ``target`` must be importable."""
     ctx = ctx or worker_context()
-    process = ctx.Process(target=_in_environment, args=(dict(os.environ), target, args))
+    process = ctx.Process(target=_in_environment,
+                          args=(dict(os.environ), ctx.get_start_method() == "forkserver", target, args))
     process.start()
     return process
 

@@ -396,3 +396,10 @@ def where_started(rank, world, names):
     with open(f"/proc/{parent}/maps") as maps:
         parent_has_torch = "libtorch_cpu" in maps.read()
     return {name: os.environ.get(name) for name in names}, parent, parent_has_torch
+
+
+def leaves_a_file_at_exit(rank, world, folder):
+    """Registers an exit handler that writes ``folder``/exit<rank>: a worker's exit handlers must run."""
+    import atexit
+
+    atexit.register(lambda: open(f"{folder}/exit{rank}", "w").close())
