@@ -56,7 +56,8 @@ def worker_context():
     """
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
-    if _SERVER_ENVIRONMENT.setdefault("started", _read_at_start()) != _read_at_start():
+    now = _read_at_start()
+    if _SERVER_ENVIRONMENT.setdefault("started", now) != now:
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "gradzip"])  # a server already running keeps what it has

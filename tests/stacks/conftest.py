@@ -2,7 +2,7 @@
 import pytest
 
 from .launch import Plan
-from .methods import METHODS, each_way_unless_slow, params
+from .methods import EACH_WAY, METHODS, kept_unless_slow, params
 
 #: Methods the GPT script also runs with its biases and norms' weights exchanged in groups.
 GROUPED = ("topk", "qsgd", "efsignsgd", "onebit", "sparseloco", "dgc", "auto")
@@ -40,10 +40,11 @@ def checkpoint_runs(methods, folder):
 @pytest.fixture(scope="session")
 def gpt_plan(chars, tmp_path_factory):
     """Every method plain and in every feature (the default run: in the others, one method of each way
-    of exchanging), and the checkpointing runs that test_resume.py resumes, in one launch (the checkpoints first: a launch dying in a later run then does not cost the resume tests)."""
+    of exchanging), and the checkpointing runs that test_resume.py resumes, in one launch (the
+    checkpoints first: a launch dying in a later run then does not cost the resume tests)."""
     folder = tmp_path_factory.mktemp("gpt")
     runs = (checkpoint_runs(METHODS, folder / "ckpt") + gpt_runs(GPT_FEATURES[:1], METHODS)
-            + gpt_runs(GPT_FEATURES[1:], each_way_unless_slow()))
+            + gpt_runs(GPT_FEATURES[1:], kept_unless_slow(EACH_WAY)))
     runs += [{"name": f"grouped/{method}", "method": method, "params": {**params(method), "group_vectors_below": 2**16},
               "feature": "plain", "deadline": 60} for method in GROUPED]
     return Plan("gpt_ddp.py", runs, folder, timeout=480).execute()

@@ -20,9 +20,9 @@ EACH_WAY = ("none", "fp16", "topk", "threshold", "powersgd", "qsgd", "signsgd", 
 SLOW_TIER = os.environ.get("GRADZIP_SLOW") == "1"
 
 
-def each_way_unless_slow(methods=METHODS) -> tuple:
-    """``methods``, only those in EACH_WAY unless the slow tier runs."""
-    return tuple(m for m in methods if SLOW_TIER or m in EACH_WAY)
+def kept_unless_slow(kept, methods=METHODS) -> tuple:
+    """``methods``, only those in ``kept`` unless the slow tier runs."""
+    return tuple(m for m in methods if SLOW_TIER or m in kept)
 
 _PARAMS = {
     "dgc": {"min_numel": 0, "warmup_epochs": 0},

@@ -11,7 +11,7 @@ their random numbers from a counter hash instead of torch's generator.
 import pytest
 
 from .launch import Plan
-from .methods import METHODS, SLOW_TIER, deterministic, params
+from .methods import METHODS, deterministic, kept_unless_slow, params
 from .test_gpt_features import check_gpt_run
 
 #: Methods with a kernel on the route of these steps (the test checks that it ran).  Top-k's kernel
@@ -21,7 +21,7 @@ WITH_KERNELS = ("threshold", "adaptive_threshold", "dgc", "powersgd", "qsgd", "t
 #: Their kernels make uniforms from (index, seed) by a hash; the reference path calls torch.rand.
 OWN_DRAWS = ("qsgd", "terngrad", "natural")
 #: The default run launches the methods with a kernel on these steps' route; GRADZIP_SLOW=1 every method.
-KERNEL_METHODS = tuple(m for m in METHODS if SLOW_TIER or m in WITH_KERNELS)
+KERNEL_METHODS = kept_unless_slow(WITH_KERNELS)
 
 
 @pytest.fixture(scope="session")
