@@ -26,6 +26,10 @@ def kernel_cache(tmp_path_factory):
     if before:
         yield before
         return
-    os.environ["GRADZIP_KERNEL_CACHE"] = str(tmp_path_factory.mktemp("kernels"))
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # one cache for the run's workers, as for a machine's ranks
+        root = root.parent
+    (root / "kernels").mkdir(exist_ok=True)
+    os.environ["GRADZIP_KERNEL_CACHE"] = str(root / "kernels")
     yield os.environ["GRADZIP_KERNEL_CACHE"]
     del os.environ["GRADZIP_KERNEL_CACHE"]

@@ -175,21 +175,32 @@ def test_a_failing_child_is_a_row(monkeypatch):
     def fake(name, cfg, device, json_path):
         assert argv(name, cfg, device, json_path)[1:3] == ["-m", "gradzip"]
         if name == "topk":
-            return [sys.executable, "-c", "import sys; sys.stderr.write('warning\\nchild boom\\n\\n'); sys.exit(3)"]
+            return [sys.executable, "-c", f"import sys; sys.stderr.write('warning\\nchild boom{WORDY}\\n\\n'); sys.exit(3)"]
         if name == "fp16":
             return [sys.executable, "-c", "pass"]
-        row = dict(method="ddp", repeat=0, pid=1, ms=2.0, min_ms=1.0, first_ms=3.0, peak_mb=None, note="",
-                   launches=0.0, syncs=0.0, aten_ops=10.0, host_reads=1.0, all_threads=True)
+        # a loaded machine's numbers: wider than a quiet one's
+        row = dict(method="ddp", repeat=0, pid=1, ms=2.0, min_ms=1.0, first_ms=123456789.0, peak_mb=None, note="",
+                   compile_wait_ms=987654321.0, launches=0.0, syncs=0.0, aten_ops=10.0, host_reads=1.0,
+                   all_threads=True)
         code = f"import json; json.dump({{'env': {{}}, 'runs': [{row!r}]}}, open({json_path!r}, 'w'))"
         return [sys.executable, "-c", code]
 
     monkeypatch.setattr(step, "_child_argv", fake)
-    result = step.run(["ddp", "topk", "fp16"], isolate=True, repeats=2, **TINY)
+    said = []
+    result = step.run(["ddp", "topk", "fp16"], isolate=True, repeats=2, progress=said.append, **TINY)
     ddp, topk, fp16 = result["rows"]
     assert ddp["ms"] == 2.0 and ddp["x_ddp"] == 1.0 and ddp["spread"] == 0.0
-    assert topk == {"method": "topk", "error": "child exited 3: child boom (2 of 2 repeats)"}
+    assert topk == {"method": "topk", "error": f"child exited 3: child boom{WORDY} (2 of 2 repeats)"}
     assert fp16 == {"method": "fp16", "error": "child exited 0: no output (2 of 2 repeats)"}
-    assert "topk             error: child exited 3: child boom" in step.format_table(result)
+    table = step.format_table(result)
+    assert "topk             error: child exited 3: child boom" in table
+    assert " ".join(table.split()).count(WORDY.strip()) == 1  # wrapped, not cut
+    lines = [line for text in said + [table] for line in text.splitlines()]
+    assert max(map(len, lines)) <= step.WIDTH, max(lines, key=len)
+
+
+#: A long error's tail, as a child's traceback line can be.
+WORDY = ": the reason" * 12
 
 
 def test_table_fits_100_columns():

@@ -430,10 +430,12 @@ def run(methods: Optional[Sequence[str]] = None, *, device: Optional[str] = None
                 row, child_env = _child(name, cfg, dev)
                 runs.append({**row, "repeat": repeat})
                 if progress:  # as each arrives: a run cut short by a timeout still shows what it measured
-                    progress("  " + (row.get("error") or ", ".join(
+                    said = row.get("error") or ", ".join(
                         f"{k} {row[k]:.1f}" if isinstance(row[k], float) else f"{k} {row[k]}"
                         for k in ("ms", "min_ms", "first_ms", "compile_wait_ms", "peak_mb", "launches", "syncs", "host_reads")
-                        if row.get(k) is not None)))
+                        if row.get(k) is not None)
+                    progress(textwrap.fill(said, WIDTH, initial_indent="  ", subsequent_indent="    ",
+                                           break_on_hyphens=False))
                 env = env or child_env
         env = {**(env or {**machine(dev), "world_size": 1, "backend": "nccl" if dev.type == "cuda" else "gloo"})}
     else:
@@ -507,7 +509,8 @@ def format_table(result: dict) -> str:
     lines.append(head)
     for r in result["rows"]:
         if "error" in r:
-            lines.append(f"{r['method']:{w}s} error: {r['error']}")
+            lines += textwrap.wrap(f"{r['method']:{w}s} error: {r['error']}", WIDTH, subsequent_indent=" " * (w + 1),
+                                   break_on_hyphens=False)
             continue
         line = (f"{r['method']:{w}s} {r['ms']:8.2f} {_spread(r)} {_fmt(r['x_ddp'], '6.2f')} "
                 f"{_fmt(r.get('x_fp16'), '6.2f')} {r['first_ms']:8.1f} {_fmt(r['peak_mb'], '7.0f')}")
