@@ -1,6 +1,7 @@
 """Settings for every test: fused kernels compiled ahead go to a cache of the session's own (each one
-compiles once per session, in a child process), not the user's (``~/.cache/gradzip/kernels``), unless
-``GRADZIP_KERNEL_CACHE`` names one (scripts/gpu_check.sh shares its benchmarks' with the tests).
+compiles once per session, in a child process; pytest-xdist's workers share it, as a machine's ranks
+do), not the user's (``~/.cache/gradzip/kernels``), unless ``GRADZIP_KERNEL_CACHE`` names one
+(scripts/gpu_check.sh shares its benchmarks' with the tests).
 
 Tests marked ``slow`` (repetitions, and sweeps of every kernel form, method or world size whose
 representatives the default run keeps) run only with ``GRADZIP_SLOW=1``: the default run stays within CI's time."""
