@@ -6,9 +6,9 @@ PYTHON ?= python3
 setup:
 	bash scripts/setup.sh
 
-# Two pytest workers, each taking whole files (a file's session-scoped launches run once): the tests'
-# processes wait on one another and on their peers' timeouts often enough that a second worker fills
-# the idle core (22 minutes against 28 on the 2-core machine CI runs on).
+# Two pytest workers, each taking whole files (files sharing a session-scoped launch go together:
+# tests/conftest.py): the tests' processes wait on one another and on their peers' timeouts often
+# enough that a second worker fills the idle core (22 minutes against 28 on CI's kind of 2-core machine).
 TEST_WORKERS ?= 2
 
 test: setup

@@ -21,6 +21,25 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(slow)
 
 
+#: Files whose tests share a session-scoped launch with another file's (tests/stacks/conftest.py's
+#: ``gpt_plan``): pytest-xdist's ``--dist loadfile`` gives them to that file's worker, so it runs once.
+SHARED_LAUNCHES = {"tests/stacks/test_resume.py": "tests/stacks/test_gpt_features.py"}
+
+try:
+    from xdist.scheduler import LoadFileScheduling
+except ImportError:  # no pytest-xdist: its hook below would be unknown to pytest
+    LoadFileScheduling = None
+
+if LoadFileScheduling is not None:
+    class _FilesSharingLaunches(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return SHARED_LAUNCHES.get(scope, scope)
+
+    def pytest_xdist_make_scheduler(config, log):
+        return _FilesSharingLaunches(config, log) if config.getvalue("dist") == "loadfile" else None
+
+
 @pytest.fixture(scope="session", autouse=True)
 def kernel_cache(tmp_path_factory):
     before = os.environ.get("GRADZIP_KERNEL_CACHE")
@@ -28,8 +47,8 @@ def kernel_cache(tmp_path_factory):
         yield before
         return
     root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):  # one cache for the run's workers, as for a machine's ranks
-        root = root.parent
+    if root.name.startswith("popen-gw"):  # a local xdist worker's: one cache for the run's workers, as
+        root = root.parent                # for a machine's ranks
     (root / "kernels").mkdir(exist_ok=True)
     os.environ["GRADZIP_KERNEL_CACHE"] = str(root / "kernels")
     yield os.environ["GRADZIP_KERNEL_CACHE"]
