@@ -101,8 +101,7 @@ def test_training_over_an_emulated_link(tmp_path):
     try:
         _, stderr = train.communicate(timeout=180)
     finally:
-        train.kill()  # gone already, unless the run hung
-        train.wait()
+        _stop(train)
     assert train.returncode == 0, stderr[-2000:]
     assert json.loads((tmp_path / "r" / "summary.json").read_text())["final_test_accuracy"] > 0.3
     assert leftover_namespaces(train.pid) == []  # its own: another run on the machine may hold others
