@@ -12,6 +12,7 @@ import argparse
 import os
 import subprocess
 import sys
+import tempfile
 
 
 def worker(method: str) -> None:
@@ -46,10 +47,12 @@ def main() -> None:
 
     failed = aborted = 0
     for _ in range(args.repeat):
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                               "--master-port", str(free_port()), __file__,
-                               "--worker", "--method", args.method],
-                              capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        with tempfile.TemporaryDirectory() as logs:  # torchrun's own would stay in the temporary directory
+            proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                                   "--log-dir", logs, "--master-port", str(free_port()), __file__,
+                                   "--worker", "--method", args.method],
+                                  capture_output=True, text=True, timeout=300,
+                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
         if proc.returncode != 0:
             failed += 1
             aborted += "terminate called without an active exception" in proc.stderr + proc.stdout

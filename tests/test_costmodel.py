@@ -219,7 +219,8 @@ def test_real_two_process_calibration_over_loopback():
 
 def test_advise_under_torchrun_measures_the_jobs_own_links(tmp_path):
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          "--master-port", str(free_port()), "-m", "gradzip", "advise", "--model", "mlp",
+                          "--log-dir", str(tmp_path / "torchrun"), "--master-port", str(free_port()),
+                          "-m", "gradzip", "advise", "--model", "mlp",
                           "--dataset", "digits", "-m", "none", "-m", "fp16"],
                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]

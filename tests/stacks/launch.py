@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,14 +50,16 @@ class Launch:
 def torchrun(script: str, *args, nproc: int = 2, timeout: float = 300, log: Path | None = None,
              env: dict | None = None) -> Launch:
     """Launch ``scripts/<script>`` with ``nproc`` workers; stdout and stderr together go to ``log``."""
+    # torchrun keeps its workers' log folders in a new temporary directory that it never removes
+    logs = tempfile.TemporaryDirectory(prefix="torchrun-logs-")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-port", str(free_port()), str(SCRIPTS / script), *map(str, args)]
+               "--log-dir", logs.name, "--master-port", str(free_port()), str(SCRIPTS / script), *map(str, args)]
     full_env = {**os.environ, **(env or {})}
     # The library under test is this checkout (the scripts are run from their own folder).
     full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), full_env.get("PYTHONPATH")]))
     log = Path(log) if log is not None else Path(os.devnull)
     start = time.perf_counter()
-    with open(log, "w+b") as out:
+    with logs, open(log, "w+b") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=full_env, cwd=REPO,
                                 start_new_session=True)
         try:
