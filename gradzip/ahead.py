@@ -9,10 +9,10 @@ or equal, not their sizes) queues a job on a background thread, and the caller t
 reference path.  The job loads the kernel's package from the machine's cache (``GRADZIP_KERNEL_CACHE``,
 default ``~/.cache/gradzip/kernels``) or, where there is none, has a child process export the kernel
 with every size symbolic, compile it with AOTInductor (``torch._inductor.aoti_compile_and_package``: a
-C++ loop on CPUs, Triton on GPUs; some 15 s on a 2-core CPU) and check it against the kernel's eager
-code on sizes of every residue modulo 8, under a lock (``flock``, released by the system if its holder
-dies) that the ranks on one machine share: one compiles, the others wait and load its file.  Later
-calls run the package.  A compile that fails leaves a ``.failed`` file with the reason beside the
+C++ loop on CPUs, Triton on GPUs; some 20 s on a 2-core CPU) and check it against the kernel's eager
+code at its example sizes and at small sizes of every residue modulo 8, under a lock (``flock``,
+released by the system if its holder dies) that the ranks on one machine share: one compiles, the
+others wait and load its file.  Later calls run the package.  A compile that fails leaves a ``.failed`` file with the reason beside the
 package's name, so no process tries it again (delete the file to retry).
 
 Packages are compiled with Inductor's eager-numerics options (no contracted multiply-adds, division and
@@ -53,8 +53,13 @@ from . import devices
 #: The longest a child's compile may take.
 COMPILE_TIMEOUT_S = 1800
 #: Example sizes of a form: odd, apart from each other and from 0 and 1, which an export would
-#: specialise, in the order of the first call's sizes; the child checks the package on these plus 0..7.
-_EXAMPLE, _APART, _CHECKED = 4099, 16, 8
+#: specialise, in the order of the first call's sizes and within a few percent of each other (an index
+#: into one dimension made from another's, such as a packed byte's ``i >> 3``, stays in range).  The
+#: child checks the package at these (more than a GPU's block, a CPU's share of its threads) and at
+#: smaller sizes of every residue modulo 8 (``_SMALL`` + ``_APART`` * rank + 0..7, within some 40% of
+#: each other): a kernel's work can grow with the product of its sizes (rows by columns, pieces by
+#: their width), so eight checks at the examples' sizes would cost seconds each.
+_EXAMPLE, _APART, _SMALL, _CHECKED = 4099, 16, 257, 8
 
 
 #: gradzip's own entry of a package's options (part of its name, not passed to Inductor): the level its
@@ -182,8 +187,11 @@ def _compile(path: str, spec: dict) -> None:
             raise
 
 
-#: The child's program: import gradzip (as the parent did) and compile what the spec names.
-_CHILD = "import json, sys; from gradzip import ahead; ahead._main(json.loads(sys.argv[1]))"
+#: The child's program: import gradzip (as the parent did), compile what the spec names, and exit at
+#: once (its files are whole and its scratch directory is the parent's to remove: the interpreter's
+#: teardown of torch and Inductor would add some 2 s to every compile).
+_CHILD = ("import json, os, sys; from gradzip import ahead; ahead._main(json.loads(sys.argv[1])); "
+          "sys.stdout.flush(); sys.stderr.flush(); os._exit(0)")
 
 
 def _lock(file) -> None:
@@ -366,10 +374,11 @@ def _main(spec: dict) -> None:
     torch._inductor.aoti_compile_and_package(exported, package_path=part + ".pt2", inductor_configs=options)
     _unpack_in_scratch()
     package = Package(torch._inductor.aoti_load_package(part + ".pt2", device_index=_index(spec["device"])), mins)
-    for extra in range(_CHECKED):  # every residue mod 8 of every size: export keeps guards the package drops
-        args = _examples(spec, extra, zeros=False)
-        if package.fits(args):
-            _check(package, fn, static, args, spec["kernel"], kernel.ordered)
+    for args in _checked(spec):  # every residue mod 8 of every size: export keeps guards the package drops
+        if not package.fits(args):
+            raise RuntimeError(f"{spec['kernel']}'s package needs sizes of at least {mins}, more than its checks' "
+                               f"{[tuple(t.shape) for t in args]}")
+        _check(package, fn, static, args, spec["kernel"], kernel.ordered)
     with open(part + ".json", "w") as meta:
         json.dump({"mins": mins, "kernel": spec["kernel"], "static": static, "shapes": shapes}, meta)
         meta.flush()
@@ -404,13 +413,20 @@ def _index(device) -> int:
     return -1 if index is None else index
 
 
-def _examples(spec: dict, extra: int, zeros: bool) -> tuple:
-    """Tensors of the form, each larger size its example plus ``extra``: zeros, or random floats (integer
-    arguments, indices and seeds, stay 0: in range for any gather)."""
+def _checked(spec: dict) -> list:
+    """The arguments a package is checked on: at its example sizes, then at the smaller sizes plus 0..7."""
+    return [_examples(spec, 0, zeros=False), *(_examples(spec, extra, zeros=False, small=True)
+                                               for extra in range(_CHECKED))]
+
+
+def _examples(spec: dict, extra: int, zeros: bool, small: bool = False) -> tuple:
+    """Tensors of the form, each larger size its example (``small``: its small size) plus ``extra``:
+    zeros, or random floats (integer arguments, indices and seeds, stay 0: in range for any gather)."""
     gen = torch.Generator().manual_seed(extra)
+    base = [_SMALL + e - _EXAMPLE for e in spec["examples"]] if small else spec["examples"]  # same order, apart
     out = []
     for dtype, _, dims in spec["shapes"]:
-        shape = [d if d >= 0 else spec["examples"][-1 - d] + extra for d in dims]
+        shape = [d if d >= 0 else base[-1 - d] + extra for d in dims]
         t = torch.zeros(shape, dtype=getattr(torch, dtype))
         if not zeros and t.is_floating_point():
             t = torch.randn(shape, generator=gen).to(t.dtype)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -115,6 +116,15 @@ def ran_ahead(kernel, monkeypatch) -> list:
     return ran
 
 
+def settle_without_compiling_here(timeout: float = 900) -> None:
+    """Wait for the queued loads and compiles, checking meanwhile that this process never compiles
+    (``torch.compiler.is_compiling()`` stays false in it, which PyTorch's optimizers and DDP branch on)."""
+    deadline = time.monotonic() + timeout
+    while not kernels.settle(timeout=0.01):
+        assert not torch.compiler.is_compiling(), "a kernel compiled in the process that asked for it"
+        assert time.monotonic() < deadline, f"the compiles took more than {timeout} s"
+
+
 def compare_with_reference(method, params, names, monkeypatch, device="cpu", steps=3, world=1):
     """The reference paths' aggregates and state, then those with the kernels ``names`` compiled ahead:
     bit for bit, every kernel having run at every call from the second step on (a residual's first);
@@ -127,10 +137,10 @@ def compare_with_reference(method, params, names, monkeypatch, device="cpu", ste
     for kernel in fused:
         monkeypatch.setattr(kernel, "ahead_numel", 1)
     exchanges(method, params, 2, device, world)  # queues the compiles (a residual's from the second step on)
-    kernels.settle()
+    settle_without_compiling_here()
     if world > 1:  # a decoding kernel's form that adds (ranks after the first) is asked for once the first's runs
         exchanges(method, params, 2, device, world)
-        kernels.settle()
+        settle_without_compiling_here()
     ran = {kernel.__name__: ran_ahead(kernel, monkeypatch) for kernel in fused}
     got, fused_state = exchanges(method, params, steps, device, world)
     assert all(len(r) >= steps - 1 and all(r) for r in ran.values()), f"{method}: the kernels ran at calls {ran}"
@@ -260,11 +270,12 @@ def test_dgc_counts_tensors_of_several_pieces(monkeypatch):
     compare_with_reference("dgc", params, ("_dgc_piece_counts",), monkeypatch)
 
 
-def test_the_compile_runs_in_a_child_while_exchanges_go_on(monkeypatch, tmp_path):
+def test_the_compile_runs_in_a_child_while_exchanges_go_on(monkeypatch, tmp_path, kernel_cache):
     """With no package in the cache, exchanges take the reference path while the child compiles (held
-    here until they are done; alone, this test also compiles the kernels that the earlier ones did), the
-    process never compiles (``torch.compiler.is_compiling()`` stays false in it, which PyTorch's
-    optimizers and DDP branch on), and the package serves the exchanges after."""
+    here until they are done), on gradzip's thread, the process never compiling, and the package serves
+    the exchanges after.  Where the session's cache has the package already (a bit-for-bit test of
+    QSGD compiled it, checking meanwhile that its process never compiles), that package stands in for
+    the child's work; alone, this test compiles it."""
     monkeypatch.setenv("GRADZIP_KERNEL_CACHE", str(tmp_path))
     kernel = quantize._qsgd_bucket_encode
     monkeypatch.setattr(kernel, "ahead_numel", 1)
@@ -275,18 +286,21 @@ def test_the_compile_runs_in_a_child_while_exchanges_go_on(monkeypatch, tmp_path
     def held(argv):
         spawned.append(threading.current_thread().name)
         assert release.wait(60)
-        spawn(argv)
+        path = json.loads(argv[-1])["path"]
+        compiled = os.path.join(kernel_cache, os.path.basename(path))  # the same name: kernel, form, sources
+        if os.path.exists(compiled + ".json") and os.path.exists(compiled):
+            shutil.copyfile(compiled + ".json", path + ".json")
+            shutil.copyfile(compiled, path)
+        else:
+            spawn(argv)
     monkeypatch.setattr(ahead, "spawn", held)
     ran = ran_ahead(kernel, monkeypatch)
     try:
         got, _ = exchanges("qsgd", {}, 2)
     finally:
         release.set()
-    compiling, deadline = False, time.monotonic() + 600
-    while not kernels.settle(timeout=0.01):  # until the child's package is loaded
-        compiling |= torch.compiler.is_compiling()
-        assert time.monotonic() < deadline
-    assert ran == [False, False] and spawned and set(spawned) == {"gradzip-ahead"} and not compiling
+    settle_without_compiling_here()  # until the child's package is loaded
+    assert ran == [False, False] and spawned and set(spawned) == {"gradzip-ahead"}
     again, _ = exchanges("qsgd", {}, 2)
     assert ran[2:] == [True, True]
     monkeypatch.setattr(kernel, "ahead_numel", 1 << 40)
@@ -711,3 +725,38 @@ def test_a_forked_copy_leaves_the_parents_compile_alone(tmp_path):
         "child.kill()\n")
     done = subprocess.run([sys.executable, "-c", script], timeout=60, capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr
+
+
+def test_a_package_is_checked_at_its_examples_and_smaller_sizes_of_every_residue():
+    """The child's checks: once at the export's example sizes, then at smaller sizes plus 0..7, each in
+    the order of the examples and within 40% of each other (as a packed byte's index ``i >> 3`` into a
+    dimension an eighth as long as another stays in range), never a size an export would specialise."""
+    spec = {"shapes": [["float32", "cpu", [-1]], ["uint8", "cpu", [-2, 1]], ["int32", "cpu", [-3, -1]]],
+            "examples": [4131, 4099, 4115], "device": "cpu"}
+    checked = [[tuple(t.shape) for t in args] for args in ahead._checked(spec)]
+    assert checked[0] == [(4131,), (4099, 1), (4115, 4131)]
+    for extra, shapes in enumerate(checked[1:]):
+        assert shapes == [(289 + extra,), (257 + extra, 1), (273 + extra, 289 + extra)]
+    for dim in (289, 257, 273):
+        assert {(dim + extra) % 8 for extra in range(8)} == set(range(8))
+    for shapes in checked:
+        sizes = [d for shape in shapes for d in shape if d > 1]
+        assert max(sizes) < 1.4 * min(sizes) and max(sizes) >> 3 < min(sizes)
+
+
+def test_a_package_needing_larger_sizes_than_its_checks_is_a_failed_compile(monkeypatch, tmp_path):
+    """A package whose least sizes exceed its checks' sizes is not taken unchecked: the child fails, naming
+    them (here the export is made to report a least size of 300 elements)."""
+    monkeypatch.setenv("GRADZIP_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(ahead, "_least_sizes", lambda exported, shapes, name: [[300]])
+    kernel = kernel_named("_counter_hashes")
+    spec = {"module": kernel.fn.__module__, "kernel": "_counter_hashes", "static": {},
+            "shapes": [["int32", "cpu", [-1]], ["int32", "cpu", []]], "options": {}, "device": "cpu",
+            "examples": [4099]}
+    spec["path"] = ahead.package_path(kernel.fn, {}, ahead._as_form(spec["shapes"]), {}, "cpu")
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", lambda *a, **k: None)
+    monkeypatch.setattr(torch._inductor, "aoti_load_package", lambda *a, **k: kernel.fn)  # a right package
+    monkeypatch.setattr(ahead, "_die_with_parent", lambda: None)  # run here, not as a child
+    with pytest.raises(RuntimeError, match=r"needs sizes of at least \[\[300\]\], more than its checks' \[\(257,\), \(\)\]"):
+        ahead._main(spec)
+    assert not os.listdir(tmp_path)
