@@ -10,10 +10,11 @@ reference path.  The job loads the kernel's package from the machine's cache (``
 default ``~/.cache/gradzip/kernels``) or, where there is none, has a child process export the kernel
 with every size symbolic, compile it with AOTInductor (``torch._inductor.aoti_compile_and_package``: a
 C++ loop on CPUs, Triton on GPUs; some 20 s on a 2-core CPU) and check it against the kernel's eager
-code at its example sizes and at small sizes of every residue modulo 8, under a lock (``flock``,
+code at its example sizes and at smaller sizes of every residue modulo 8, under a lock (``flock``,
 released by the system if its holder dies) that the ranks on one machine share: one compiles, the
-others wait and load its file.  Later calls run the package.  A compile that fails leaves a ``.failed`` file with the reason beside the
-package's name, so no process tries it again (delete the file to retry).
+others wait and load its file.  Later calls run the package.  A compile that fails leaves a
+``.failed`` file with the reason beside the package's name, so no process tries it again (delete the
+file to retry).
 
 Packages are compiled with Inductor's eager-numerics options (no contracted multiply-adds, division and
 denormals as eager): a kernel gives its reference path's bits, so a run does not depend on when its
@@ -374,7 +375,7 @@ def _main(spec: dict) -> None:
     torch._inductor.aoti_compile_and_package(exported, package_path=part + ".pt2", inductor_configs=options)
     _unpack_in_scratch()
     package = Package(torch._inductor.aoti_load_package(part + ".pt2", device_index=_index(spec["device"])), mins)
-    for args in _checked(spec):  # every residue mod 8 of every size: export keeps guards the package drops
+    for args in _checked(spec):  # every residue mod 8 (at the smaller sizes): export keeps guards the package drops
         if not package.fits(args):
             raise RuntimeError(f"{spec['kernel']}'s package needs sizes of at least {mins}, more than its checks' "
                                f"{[tuple(t.shape) for t in args]}")

@@ -757,6 +757,7 @@ def test_a_package_needing_larger_sizes_than_its_checks_is_a_failed_compile(monk
     monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", lambda *a, **k: None)
     monkeypatch.setattr(torch._inductor, "aoti_load_package", lambda *a, **k: kernel.fn)  # a right package
     monkeypatch.setattr(ahead, "_die_with_parent", lambda: None)  # run here, not as a child
-    with pytest.raises(RuntimeError, match=r"needs sizes of at least \[\[300\]\], more than its checks' \[\(257,\), \(\)\]"):
+    needs = r"needs sizes of at least \[\[300\]\], more than its checks' \[\(257,\), \(\)\]"
+    with pytest.raises(RuntimeError, match=needs):
         ahead._main(spec)
     assert not os.listdir(tmp_path)
