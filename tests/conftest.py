@@ -12,11 +12,11 @@ import os
 import pytest
 import torch
 
-# Several pytest-xdist workers share the machine's cores: each computes on one thread (and so does what
-# it starts, unless it sets its own, as gradzip's launcher and torchrun's workers do), as a machine's
-# training ranks do, instead of each running a thread per core that waits on the others' work.
+# Several pytest-xdist workers share the machine's cores: each computes on one thread, as a machine's
+# training ranks do, instead of each running a thread per core that waits on the others' work.  Only the
+# workers themselves: what they start keeps its own default (a kernel compiled ahead is compiled for
+# the threads its process has, and users' processes have a thread per core).
 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1 and "OMP_NUM_THREADS" not in os.environ:
-    os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
 
 
