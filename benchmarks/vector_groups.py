@@ -68,8 +68,9 @@ def launch(method: str, below: int, args, port: int) -> dict:
         out = os.path.join(folder, "result.json")
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--log-dir",
-                        os.path.join(folder, "torchrun"), "--master_port", str(port), __file__, "--worker", method, str(below), str(args.layers), str(args.width),
-                        str(args.steps), out], check=True, env=env, stdout=subprocess.DEVNULL)
+                        os.path.join(folder, "torchrun"), "--master_port", str(port), __file__, "--worker", method,
+                        str(below), str(args.layers), str(args.width), str(args.steps), out],
+                       check=True, env=env, stdout=subprocess.DEVNULL)
         with open(out) as f:
             return json.load(f)
 

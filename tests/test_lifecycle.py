@@ -95,7 +95,8 @@ def test_destroy_process_group_closes_gradzip_and_the_job_exits_cleanly(tmp_path
     script = tmp_path / "script.py"
     script.write_text(SCRIPT)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--log-dir", str(tmp_path / "torchrun"), "--master-port", str(free_port()), str(script), "topk", str(tmp_path)],
+                           "--log-dir", str(tmp_path / "torchrun"), "--master-port", str(free_port()), str(script),
+                           "topk", str(tmp_path)],
                           capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]

@@ -261,8 +261,8 @@ def test_sigkilled_worker_restarts_under_torchrun_and_the_run_finishes_exactly(t
             "--out-dir", str(tmp_path)]
     assert CliRunner().invoke(app, ["train", *args, "--name", "uninterrupted"]).exit_code == 0
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "2",
-           "--log-dir", str(tmp_path / "torchrun"), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m", "gradzip", "train", *args,
-           "--name", "killed"]
+           "--log-dir", str(tmp_path / "torchrun"), "--rdzv-backend", "c10d", "--rdzv-endpoint",
+           f"127.0.0.1:{free_port()}", "-m", "gradzip", "train", *args, "--name", "killed"]
     run = tmp_path / "killed"
     # Own session: on failure the whole tree (torchrun and its workers) is killed, leaving no orphans.
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
