@@ -295,7 +295,7 @@ def ddp_auto_against_plain_ddp(rank, world, steps):
 
 
 def auto_on_a_slow_link(rank, world, steps, busy_after_compressed_s, busy_exploring_s=None):
-    """auto (none or Top-k; plan at step 2, verified by step 11) on a 12.5 MB/s emulated link, with the
+    """auto (none or Top-k; plan at step 2, verified by step 11) on a 3.1 MB/s emulated link, with the
     optimizer integration so every step crosses the link.  ``busy_after_compressed_s``: extra compute
     after each step that compressed, as a codec taking time from backward would (``busy_exploring_s``
     in exploration's steps 0 and 1, if given); the exchange's own time does not show it.  Returns
@@ -306,7 +306,7 @@ def auto_on_a_slow_link(rank, world, steps, busy_after_compressed_s, busy_explor
     opt = gradzip.DistributedOptimizer(base, model.named_parameters(), "auto", candidates=["none", "topk:ratio=0.01"],
                                        warmup=0, trials=1, verify=1)
     state = opt.gradzip_state
-    state.transport = EmulatedLink(state.transport, 0.0, 80e-9)  # 0.5 MB of weights: 42 ms dense
+    state.transport = EmulatedLink(state.transport, 0.0, 320e-9)  # 0.55 MB of weights: 175 ms dense
     for step in range(steps):
         x = torch.randn(32, 256, generator=torch.Generator().manual_seed(1000 * step + rank))
         before = state.stats()
