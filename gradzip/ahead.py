@@ -10,7 +10,7 @@ reference path.  The job loads the kernel's package from the machine's cache (``
 default ``~/.cache/gradzip/kernels``) or, where there is none, has a child process export the kernel
 with every size symbolic, compile it with AOTInductor (``torch._inductor.aoti_compile_and_package``: a
 C++ loop on CPUs, Triton on GPUs; some 20 s on a 2-core CPU) and check it against the kernel's eager
-code at its example sizes and at smaller sizes of every residue modulo 8, under a lock (``flock``,
+code at its example sizes and at smaller sizes of every residue modulo 16, under a lock (``flock``,
 released by the system if its holder dies) that the ranks on one machine share: one compiles, the
 others wait and load its file.  Later calls run the package.  A compile that fails leaves a
 ``.failed`` file with the reason beside the package's name, so no process tries it again (delete the
@@ -31,6 +31,7 @@ import atexit
 import functools
 import hashlib
 import importlib
+import inspect
 import json
 import os
 import pathlib
@@ -57,10 +58,11 @@ COMPILE_TIMEOUT_S = 1800
 #: specialise, in the order of the first call's sizes and within a few percent of each other (an index
 #: into one dimension made from another's, such as a packed byte's ``i >> 3``, stays in range).  The
 #: child checks the package at these (more than a GPU's block, a CPU's share of its threads) and at
-#: smaller sizes of every residue modulo 8 (``_SMALL`` + ``_APART`` * rank + 0..7, within some 40% of
-#: each other): a kernel's work can grow with the product of its sizes (rows by columns, pieces by
-#: their width), so eight checks at the examples' sizes would cost seconds each.
-_EXAMPLE, _APART, _SMALL, _CHECKED = 4099, 16, 257, 8
+#: smaller sizes of every residue modulo 16 (``_SMALL`` + ``_APART`` * rank + 0..15, within half of
+#: each other): the tails of a 16-lane vector (AVX-512's float32) as well as an 8-lane one's.  A
+#: kernel's work can grow with the product of its sizes (rows by columns, pieces by their width), so
+#: sixteen checks at the examples' sizes would cost seconds each.
+_EXAMPLE, _APART, _SMALL, _CHECKED = 4099, 16, 257, 16
 
 
 #: gradzip's own entry of a package's options (part of its name, not passed to Inductor): the level its
@@ -375,7 +377,7 @@ def _main(spec: dict) -> None:
     torch._inductor.aoti_compile_and_package(exported, package_path=part + ".pt2", inductor_configs=options)
     _unpack_in_scratch()
     package = Package(torch._inductor.aoti_load_package(part + ".pt2", device_index=_index(spec["device"])), mins)
-    for args in _checked(spec):  # every residue mod 8 (at the smaller sizes): export keeps guards the package drops
+    for args in _checked(spec, _positions(fn, kernel.nonnegative)):  # export keeps guards the package drops
         if not package.fits(args):
             raise RuntimeError(f"{spec['kernel']}'s package needs sizes of at least {mins}, more than its checks' "
                                f"{[tuple(t.shape) for t in args]}")
@@ -414,23 +416,31 @@ def _index(device) -> int:
     return -1 if index is None else index
 
 
-def _checked(spec: dict) -> list:
-    """The arguments a package is checked on: at its example sizes, then at the smaller sizes plus 0..7."""
-    return [_examples(spec, 0, zeros=False), *(_examples(spec, extra, zeros=False, small=True)
-                                               for extra in range(_CHECKED))]
+def _checked(spec: dict, nonnegative: tuple = ()) -> list:
+    """The arguments a package is checked on: at its example sizes, then at the smaller sizes plus 0..15."""
+    return [_examples(spec, 0, zeros=False, nonnegative=nonnegative),
+            *(_examples(spec, extra, zeros=False, small=True, nonnegative=nonnegative) for extra in range(_CHECKED))]
 
 
-def _examples(spec: dict, extra: int, zeros: bool, small: bool = False) -> tuple:
+def _positions(fn: Callable, names: tuple) -> tuple:
+    """The positions of the arguments ``names`` among ``fn``'s."""
+    return tuple(i for i, name in enumerate(inspect.signature(fn).parameters) if name in names)
+
+
+def _examples(spec: dict, extra: int, zeros: bool, small: bool = False, nonnegative: tuple = ()) -> tuple:
     """Tensors of the form, each larger size its example (``small``: its small size) plus ``extra``:
-    zeros, or random floats (integer arguments, indices and seeds, stay 0: in range for any gather)."""
+    zeros, or random floats, their magnitudes at the positions ``nonnegative`` (a kernel's draws in
+    [0, 1) and sizes, which it may make indices of); integer arguments, indices and seeds, stay 0: in
+    range for any gather."""
     gen = torch.Generator().manual_seed(extra)
     base = [_SMALL + e - _EXAMPLE for e in spec["examples"]] if small else spec["examples"]  # same order, apart
     out = []
-    for dtype, _, dims in spec["shapes"]:
+    for position, (dtype, _, dims) in enumerate(spec["shapes"]):
         shape = [d if d >= 0 else base[-1 - d] + extra for d in dims]
         t = torch.zeros(shape, dtype=getattr(torch, dtype))
         if not zeros and t.is_floating_point():
-            t = torch.randn(shape, generator=gen).to(t.dtype)
+            drawn = torch.randn(shape, generator=gen)
+            t = (drawn.abs() if position in nonnegative else drawn).to(t.dtype)
         out.append(t.to(spec["device"]))
     return tuple(out)
 

@@ -154,13 +154,16 @@ class Kernel:
     ``min_numel`` or once fused kernels have failed in this process: the caller then takes its
     reference path.  ``ordered``: its results are its eager code's bit for bit; a kernel that sums into
     shared slots (a scatter: atomic adds, in no fixed order) is not, and its compiled package is checked
-    against the eager code at float tolerance instead.
+    against the eager code at float tolerance instead.  ``nonnegative``: the names of float arguments
+    never negative (draws in [0, 1), sizes), which the kernel may make indices of: its package's checks
+    draw them so, as they keep integer arguments 0.
     """
 
-    def __init__(self, fn: Callable, min_numel: int = MIN_NUMEL, ordered: bool = True):
+    def __init__(self, fn: Callable, min_numel: int = MIN_NUMEL, ordered: bool = True, nonnegative: tuple = ()):
         self.fn = fn
         self.min_numel = min_numel
         self.ordered = ordered
+        self.nonnegative = tuple(nonnegative)
         self.__name__ = getattr(fn, "__name__", "kernel")
         self._compiled: dict = {}
         self._ahead: dict = {}  # (constants, form) -> its ahead.Package, or _PENDING while queued
@@ -328,12 +331,13 @@ def _specialise(fn: Callable, static: dict) -> Callable:
     return types.FunctionType(code, specialised.__globals__, code.co_name, None, specialised.__closure__)
 
 
-def fused(fn: Optional[Callable] = None, *, min_numel: int = MIN_NUMEL, ordered: bool = True):
+def fused(fn: Optional[Callable] = None, *, min_numel: int = MIN_NUMEL, ordered: bool = True,
+          nonnegative: tuple = ()):
     """Decorator, bare or with keywords: ``fn``'s tensor operations become one compiled kernel (see
     :class:`Kernel`), run on tensors of at least ``min_numel`` elements."""
     if fn is None:
-        return lambda f: Kernel(f, min_numel, ordered)
-    return Kernel(fn, min_numel, ordered)
+        return lambda f: Kernel(f, min_numel, ordered, nonnegative)
+    return Kernel(fn, min_numel, ordered, nonnegative)
 
 
 # -- bit packing inside a kernel: the layout of gradzip.bits.pack_bits, for 8 % bits == 0 ---------------

@@ -728,20 +728,39 @@ def test_a_forked_copy_leaves_the_parents_compile_alone(tmp_path):
 
 
 def test_a_package_is_checked_at_its_examples_and_smaller_sizes_of_every_residue():
-    """The child's checks: once at the export's example sizes, then at smaller sizes plus 0..7, each in
-    the order of the examples and within 40% of each other (as a packed byte's index ``i >> 3`` into a
-    dimension an eighth as long as another stays in range), never a size an export would specialise."""
+    """The child's checks: once at the export's example sizes, then at smaller sizes plus 0..15 (the tails
+    of 8- and 16-lane vectors), each in the order of the examples and within half of each other (as a
+    packed byte's index ``i >> 3`` into a dimension an eighth as long as another stays in range), never
+    a size an export would specialise."""
     spec = {"shapes": [["float32", "cpu", [-1]], ["uint8", "cpu", [-2, 1]], ["int32", "cpu", [-3, -1]]],
             "examples": [4131, 4099, 4115], "device": "cpu"}
     checked = [[tuple(t.shape) for t in args] for args in ahead._checked(spec)]
     assert checked[0] == [(4131,), (4099, 1), (4115, 4131)]
+    assert len(checked) == 17
     for extra, shapes in enumerate(checked[1:]):
         assert shapes == [(289 + extra,), (257 + extra, 1), (273 + extra, 289 + extra)]
     for dim in (289, 257, 273):
-        assert {(dim + extra) % 8 for extra in range(8)} == set(range(8))
+        assert {(dim + extra) % 16 for extra in range(16)} == set(range(16))
     for shapes in checked:
         sizes = [d for shape in shapes for d in shape if d > 1]
-        assert max(sizes) < 1.4 * min(sizes) and max(sizes) >> 3 < min(sizes)
+        assert max(sizes) < 1.5 * min(sizes) and max(sizes) >> 3 < min(sizes)
+
+
+def test_a_kernels_nonnegative_arguments_are_checked_so():
+    """Float arguments a kernel makes indices of (DGC's and dropping's uniform draws times their spans)
+    are drawn non-negative for its checks, the others of either sign: the eager code the package is
+    checked against then reads only within its tensors, whatever the draws' seed."""
+    sparse = sys.modules["gradzip.compressors.sparse"]
+    kernel = sparse._sample_keys
+    assert kernel.nonnegative == ("uniforms", "span")
+    per_tensor, per_slot = [-2], [-3]
+    spec = {"shapes": [["float32", "cpu", [-1]], ["float32", "cpu", per_tensor], ["float32", "cpu", per_tensor],
+                       ["int64", "cpu", per_tensor], *[["int64", "cpu", per_slot]] * 3, ["int64", "cpu", per_tensor]],
+            "examples": [4131, 4099, 4115], "device": "cpu"}
+    for args in ahead._checked(spec, ahead._positions(kernel.fn, kernel.nonnegative)):
+        assert bool((args[1] >= 0).all()) and bool((args[2] >= 0).all())
+        assert bool((args[0] < 0).any())
+        kernel.fn(*args, absolute=True)  # in range: a negative start would be an index error here
 
 
 def test_a_package_needing_larger_sizes_than_its_checks_is_a_failed_compile(monkeypatch, tmp_path):

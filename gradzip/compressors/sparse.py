@@ -1055,7 +1055,7 @@ def _sample(absp, uniforms, span, span_max, slot_base, slot_tensor, slot_last, l
     return (values if absolute else values.abs()).masked_fill(outside, -1.0), outside.index_select(0, last_slot)
 
 
-@kernels.fused(min_numel=1)
+@kernels.fused(min_numel=1, nonnegative=("uniforms", "span"))  # indices made of their product
 def _sample_keys(absp, uniforms, span, span_max, slot_base, slot_tensor, slot_last, last_slot, absolute):
     """:func:`_sample` in one kernel, with a key per slot whose ascending order is its tensor's, then its
     value's descending, as the reference path's two stable sorts leave them: tensor * 2^32 + (2^31 - 1 -
