@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import os
 import sys
 import threading
@@ -165,6 +166,11 @@ class Kernel:
         self.ordered = ordered
         self.nonnegative = tuple(nonnegative)
         self.__name__ = getattr(fn, "__name__", "kernel")
+        positional = [name for name, p in inspect.signature(fn).parameters.items()
+                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        if not set(self.nonnegative) <= set(positional):
+            raise ValueError(f"{self.__name__}: nonnegative names {sorted(set(self.nonnegative) - set(positional))}, "
+                             f"not among its tensor arguments before any *args {positional}")
         self._compiled: dict = {}
         self._ahead: dict = {}  # (constants, form) -> its ahead.Package, or _PENDING while queued
         self.failed_ahead: Optional[str] = None  # why this kernel's compile ahead failed

@@ -763,6 +763,22 @@ def test_a_kernels_nonnegative_arguments_are_checked_so():
         kernel.fn(*args, absolute=True)  # in range: a negative start would be an index error here
 
 
+def test_a_kernels_nonnegative_names_are_its_positional_tensor_arguments():
+    """Only arguments the spec's shapes describe by position can be drawn non-negative: a keyword
+    constant, one of ``*packed`` or a misspelt name is an error where the kernel is defined."""
+    def mean(out, steps, *packed, bits: int):
+        return out
+    KERNELS = list(kernels.KERNELS)
+    try:
+        assert kernels.Kernel(mean, nonnegative=("steps",)).nonnegative == ("steps",)
+        for wrong in ("bits", "packed", "stpes"):
+            with pytest.raises(ValueError, match=rf"mean: nonnegative names \['{wrong}'\], not among its tensor "
+                                                 r"arguments before any \*args \['out', 'steps'\]"):
+                kernels.fused(nonnegative=(wrong,))(mean)
+    finally:
+        kernels.KERNELS[:] = KERNELS  # the kernels defined here are not gradzip's
+
+
 def test_a_package_needing_larger_sizes_than_its_checks_is_a_failed_compile(monkeypatch, tmp_path):
     """A package whose least sizes exceed its checks' sizes is not taken unchecked: the child fails, naming
     them (here the export is made to report a least size of 300 elements)."""

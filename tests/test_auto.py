@@ -234,13 +234,14 @@ def test_exploration_steps_order_the_verifications_and_spare_the_hopeless_ones()
 
 def test_verification_on_a_real_slow_link_keeps_the_plan_unless_it_slows_the_step():
     # Two processes over gloo, every exchange through an emulated 3.1 MB/s link.  Exploration (steps 0
-    # and 1) picks Top-k's exchange (1 ms against 175 ms dense) every time; whole steps then decide.
-    # Top-k's exploration step under half of dense's (about 20 ms against 185): kept unverified.  A
-    # codec that slows whole steps as much in exploration (+250 ms) loses there, with no verification;
-    # one that slows them a little in exploration (+110 ms: between half of dense's and dense's) and more
-    # later is verified, and loses its verification.  Each exploration step is timed once, so the slow
-    # link leaves every outcome 40 ms or more from its edge: a loaded machine (CI runs other tests beside
-    # this one) moves a step's compute by tens of milliseconds.
+    # and 1) picks Top-k's exchange (under 4 ms against 175 ms dense) every time; whole steps then
+    # decide.  Top-k's exploration step under half of dense's (about 15 ms against 185): kept
+    # unverified.  A codec that slows whole steps as much in exploration (+250 ms) loses there, with no
+    # verification; one that slows them a little in exploration (+110 ms: two thirds of dense's step,
+    # between half of it and all of it) and more later is verified, and loses its verification.  Each
+    # exploration step is timed once, so the slow link leaves every outcome 30 ms or more from its edge
+    # (some 60 ms of noise in the direction that would cross it): a loaded machine (CI runs other tests
+    # beside this one) moves a step's compute by tens of milliseconds.
     for busy_s, busy_exploring_s, expected in ((0.0, None, "topk:ratio=0.01"), (0.25, None, "none"),
                                                (0.25, 0.11, "none")):
         results = run_workers(workers.auto_on_a_slow_link, 2, 13, busy_s, busy_exploring_s)
