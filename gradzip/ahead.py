@@ -31,7 +31,6 @@ import atexit
 import functools
 import hashlib
 import importlib
-import inspect
 import json
 import os
 import pathlib
@@ -377,7 +376,7 @@ def _main(spec: dict) -> None:
     torch._inductor.aoti_compile_and_package(exported, package_path=part + ".pt2", inductor_configs=options)
     _unpack_in_scratch()
     package = Package(torch._inductor.aoti_load_package(part + ".pt2", device_index=_index(spec["device"])), mins)
-    for args in _checked(spec, _positions(fn, kernel.nonnegative)):  # export keeps guards the package drops
+    for args in _checked(spec, kernel.nonnegative):  # export keeps guards the package drops
         if not package.fits(args):
             raise RuntimeError(f"{spec['kernel']}'s package needs sizes of at least {mins}, more than its checks' "
                                f"{[tuple(t.shape) for t in args]}")
@@ -420,11 +419,6 @@ def _checked(spec: dict, nonnegative: tuple = ()) -> list:
     """The arguments a package is checked on: at its example sizes, then at the smaller sizes plus 0..15."""
     return [_examples(spec, 0, zeros=False, nonnegative=nonnegative),
             *(_examples(spec, extra, zeros=False, small=True, nonnegative=nonnegative) for extra in range(_CHECKED))]
-
-
-def _positions(fn: Callable, names: tuple) -> tuple:
-    """The positions of the arguments ``names`` among ``fn``'s."""
-    return tuple(i for i, name in enumerate(inspect.signature(fn).parameters) if name in names)
 
 
 def _examples(spec: dict, extra: int, zeros: bool, small: bool = False, nonnegative: tuple = ()) -> tuple:

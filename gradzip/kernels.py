@@ -157,20 +157,21 @@ class Kernel:
     shared slots (a scatter: atomic adds, in no fixed order) is not, and its compiled package is checked
     against the eager code at float tolerance instead.  ``nonnegative``: the names of float arguments
     never negative (draws in [0, 1), sizes), which the kernel may make indices of: its package's checks
-    draw them so, as they keep integer arguments 0.
+    draw them so, as they keep integer arguments 0 (kept as their positions, as the checks take the
+    arguments).
     """
 
     def __init__(self, fn: Callable, min_numel: int = MIN_NUMEL, ordered: bool = True, nonnegative: tuple = ()):
         self.fn = fn
         self.min_numel = min_numel
         self.ordered = ordered
-        self.nonnegative = tuple(nonnegative)
         self.__name__ = getattr(fn, "__name__", "kernel")
         positional = [name for name, p in inspect.signature(fn).parameters.items()
                       if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        if not set(self.nonnegative) <= set(positional):
-            raise ValueError(f"{self.__name__}: nonnegative names {sorted(set(self.nonnegative) - set(positional))}, "
+        if not set(nonnegative) <= set(positional):
+            raise ValueError(f"{self.__name__}: nonnegative names {sorted(set(nonnegative) - set(positional))}, "
                              f"not among its tensor arguments before any *args {positional}")
+        self.nonnegative = tuple(i for i, name in enumerate(positional) if name in nonnegative)
         self._compiled: dict = {}
         self._ahead: dict = {}  # (constants, form) -> its ahead.Package, or _PENDING while queued
         self.failed_ahead: Optional[str] = None  # why this kernel's compile ahead failed

@@ -752,12 +752,12 @@ def test_a_kernels_nonnegative_arguments_are_checked_so():
     checked against then reads only within its tensors, whatever the draws' seed."""
     sparse = sys.modules["gradzip.compressors.sparse"]
     kernel = sparse._sample_keys
-    assert kernel.nonnegative == ("uniforms", "span")
+    assert kernel.nonnegative == (1, 2)  # uniforms, span
     per_tensor, per_slot = [-2], [-3]
     spec = {"shapes": [["float32", "cpu", [-1]], ["float32", "cpu", per_tensor], ["float32", "cpu", per_tensor],
                        ["int64", "cpu", per_tensor], *[["int64", "cpu", per_slot]] * 3, ["int64", "cpu", per_tensor]],
             "examples": [4131, 4099, 4115], "device": "cpu"}
-    for args in ahead._checked(spec, ahead._positions(kernel.fn, kernel.nonnegative)):
+    for args in ahead._checked(spec, kernel.nonnegative):
         assert bool((args[1] >= 0).all()) and bool((args[2] >= 0).all())
         assert bool((args[0] < 0).any())
         kernel.fn(*args, absolute=True)  # in range: a negative start would be an index error here
@@ -770,7 +770,7 @@ def test_a_kernels_nonnegative_names_are_its_positional_tensor_arguments():
         return out
     KERNELS = list(kernels.KERNELS)
     try:
-        assert kernels.Kernel(mean, nonnegative=("steps",)).nonnegative == ("steps",)
+        assert kernels.Kernel(mean, nonnegative=("steps",)).nonnegative == (1,)
         for wrong in ("bits", "packed", "stpes"):
             with pytest.raises(ValueError, match=rf"mean: nonnegative names \['{wrong}'\], not among its tensor "
                                                  r"arguments before any \*args \['out', 'steps'\]"):
