@@ -9,7 +9,8 @@ or equal, not their sizes) queues a job on a background thread, and the caller t
 reference path.  The job loads the kernel's package from the machine's cache (``GRADZIP_KERNEL_CACHE``,
 default ``~/.cache/gradzip/kernels``) or, where there is none, has a child process export the kernel
 with every size symbolic, compile it with AOTInductor (``torch._inductor.aoti_compile_and_package``: a
-C++ loop on CPUs, Triton on GPUs; some 20 s on a 2-core CPU) and check it against the kernel's eager
+C++ loop on CPUs, Triton on GPUs; some 20 s on a 2-core CPU, 10 s for the later compiles of a thread,
+whose child serves them until it idles: :func:`spawn`) and check it against the kernel's eager
 code at its example sizes and at smaller sizes of every residue modulo 16, under a lock (``flock``,
 released by the system if its holder dies) that the ranks on one machine share: one compiles, the
 others wait and load its file.  Later calls run the package.  A compile that fails leaves a
@@ -44,6 +45,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 import weakref
 from typing import Callable, Optional
 
@@ -179,7 +181,7 @@ def _compile(path: str, spec: dict) -> None:
         if _meta(path) is not None:
             return
         try:
-            spawn([sys.executable, "-c", _CHILD, json.dumps(spec)])
+            spawn(spec)
         except RuntimeError as exc:
             # a failure, not a child stopped because this process ends or by a signal from outside
             if not exiting() and not getattr(exc, "stopped", False):
@@ -187,13 +189,6 @@ def _compile(path: str, spec: dict) -> None:
                     failed.write(str(exc).replace("\n", " ") + "\n")
                     failed.write(getattr(exc, "output", ""))  # the child's whole output, for whoever reads it
             raise
-
-
-#: The child's program: import gradzip (as the parent did), compile what the spec names, and exit at
-#: once (its files are whole and its scratch directory is the parent's to remove: the interpreter's
-#: teardown of torch and Inductor would add some 2 s to every compile).
-_CHILD = ("import json, os, sys; from gradzip import ahead; ahead._main(json.loads(sys.argv[1])); "
-          "sys.stdout.flush(); sys.stderr.flush(); os._exit(0)")
 
 
 def _lock(file) -> None:
@@ -204,36 +199,107 @@ def _lock(file) -> None:
     fcntl.flock(file, fcntl.LOCK_EX)
 
 
-#: The compiling children running, each with its scratch directory.
+#: The compiling children, each with the scratch directory of the compile it runs (None between compiles).
 _CHILDREN: dict = {}
 _SPAWN_LOCK = threading.Lock()
+#: What a compile runs in the child: a test names a function of its own.
+COMPILE = "gradzip.ahead:_main"
+#: A background thread's compiling child ends once no job has come for this long: it holds torch (and on
+#: a GPU a context of its own), which a training process should not carry for nothing.
+CHILD_IDLE_S = 20.0
+_THREAD = threading.local()
 
 
-def spawn(argv: list) -> None:
-    """Run the compiling child (a test replaces this); raises with its last line of output if it fails.
-    The child sees this process's import path, so it compiles the very gradzip that asked.  It unpacks
-    the package it checks into a scratch directory of its own (:func:`_unpack_in_scratch`), removed
-    however the child ends: a child is often killed (its process ended mid-compile)."""
+def spawn(spec: dict, target: str = COMPILE) -> None:
+    """Have this thread's compiling child run ``target`` (``module:function``) on ``spec``; raises with its
+    exception line if that fails.  The child is started by a thread's first compile and serves its
+    later ones (a background thread's until it idles, :data:`CHILD_IDLE_S`; another thread's for this
+    compile only): some 8 s of a core a compile go to importing and warming torch's compiler, twice
+    what the compile itself takes in Python.  It sees this process's import path, so it compiles the
+    very gradzip that asked; it runs each compile with the temporary directory of a scratch directory
+    of its own (:func:`_unpack_in_scratch`), removed however the compile ends: a child is often killed
+    (its process ended mid-compile).  A compile that raises leaves the child serving; one that ends it
+    (a crash, a signal, over :data:`COMPILE_TIMEOUT_S`) is reported as it ended, and the next starts
+    another child."""
     scratch = tempfile.mkdtemp(prefix="gradzip-compile-")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), GRADZIP_COMPILE_SCRATCH=scratch)
     try:
         with _SPAWN_LOCK:
             if exiting():
                 raise RuntimeError("the process is exiting")
-            child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+            child = _child()
             _CHILDREN[child] = scratch
-        try:
-            output, _ = child.communicate(timeout=COMPILE_TIMEOUT_S)
-        except BaseException:  # a timeout, or this thread stopped: the child must not go on alone
+        timed_out = threading.Event()
+
+        def stop():
+            timed_out.set()
             child.kill()
-            child.communicate()
-            raise RuntimeError(f"compiling a kernel ahead took more than {COMPILE_TIMEOUT_S} s") from None
+        timer = threading.Timer(COMPILE_TIMEOUT_S, stop)
+        timer.start()
+        try:
+            output, status = _request(child, {"target": target, "spec": spec, "scratch": scratch})
+        except BaseException:  # this thread stopped: the child must not go on alone
+            _close_child()
+            raise
         finally:
-            _CHILDREN.pop(child, None)
+            timer.cancel()
+            with _SPAWN_LOCK:
+                if child in _CHILDREN:
+                    _CHILDREN[child] = None
+        if status is None:  # the child ended
+            _close_child()
+            if timed_out.is_set():
+                raise RuntimeError(f"compiling a kernel ahead took more than {COMPILE_TIMEOUT_S} s")
+            raise CompileFailed(child.returncode, output)
+        if status:
+            raise CompileFailed(status, output)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    if child.returncode:
-        raise CompileFailed(child.returncode, output)
+        if not getattr(_THREAD, "keeps_child", False):
+            _close_child()
+
+
+def _child() -> subprocess.Popen:
+    """This thread's compiling child, started if it has none alive (under ``_SPAWN_LOCK``)."""
+    child = getattr(_THREAD, "child", None)
+    if child is not None:
+        if child.poll() is None:
+            return child
+        _CHILDREN.pop(child, None)  # ended between compiles (killed from outside)
+    _THREAD.token = os.urandom(8).hex()  # marks the child's replies among its output
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), GRADZIP_COMPILE_REPLY=_THREAD.token)
+    _THREAD.child = subprocess.Popen([sys.executable, "-c", _SERVE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, env=env)
+    _CHILDREN[_THREAD.child] = None
+    return _THREAD.child
+
+
+def _request(child: subprocess.Popen, request: dict) -> tuple:
+    """Send ``request``; the child's output until its reply, and the reply's exit status (None: the child
+    ended first)."""
+    lines, mark = [], _THREAD.token + " "
+    try:
+        child.stdin.write(json.dumps(request) + "\n")
+        child.stdin.flush()
+    except OSError:  # it has ended: what it said is still in the pipe
+        pass
+    for line in child.stdout:
+        if line.startswith(mark):
+            return "".join(lines), int(line[len(mark):])
+        lines.append(line)
+    child.wait()
+    return "".join(lines), None
+
+
+def _close_child() -> None:
+    """End this thread's compiling child, if it has one."""
+    child = getattr(_THREAD, "child", None)
+    if child is None:
+        return
+    _THREAD.child = None
+    child.kill()
+    child.communicate()  # closes its pipes
+    with _SPAWN_LOCK:
+        _CHILDREN.pop(child, None)
 
 
 #: Signals that stop a child from outside (a job's time limit, Ctrl-C, a scheduler): not the kernel's fault.
@@ -283,8 +349,13 @@ def submit(job: Callable[[], None]) -> None:
 
 
 def _work(jobs: queue.Queue) -> None:
+    _THREAD.keeps_child = True
     while True:
-        job = jobs.get()
+        try:
+            job = jobs.get(timeout=CHILD_IDLE_S)
+        except queue.Empty:
+            _close_child()
+            job = jobs.get()
         try:
             if not exiting():
                 job()
@@ -326,7 +397,8 @@ def _exit() -> None:
                 child.wait(timeout=5)  # killed: at once; its files can go only once it has
             except subprocess.TimeoutExpired:
                 continue
-            shutil.rmtree(scratch, ignore_errors=True)
+            if scratch is not None:
+                shutil.rmtree(scratch, ignore_errors=True)
     _unload_all()
 
 
@@ -340,8 +412,9 @@ def _unload_all() -> None:
 def _forked() -> None:
     """A forked copy (a data loader's worker) owns neither its parent's children, nor threads, nor the
     directories its parent's packages were unpacked into."""
-    global _SPAWN_LOCK
+    global _SPAWN_LOCK, _THREAD
     _SPAWN_LOCK = threading.Lock()
+    _THREAD = threading.local()
     _CHILDREN.clear()
     _LOADED.clear()
     _JOBS.clear()  # a job of the copy's own starts threads of its own
@@ -354,11 +427,47 @@ if hasattr(os, "register_at_fork"):
 # -- the child ---------------------------------------------------------------------------------------------
 
 
+#: The compiling child's program (it exits at once when told to end: the interpreter's teardown of torch
+#: and Inductor would take some 2 s).
+_SERVE = "from gradzip import ahead; ahead._serve()"
+#: In a compiling child: the scratch directory of the compile it runs.
+_SCRATCH: list = [None]
+
+
+def _serve() -> None:
+    """A compiling child: for each request read (a line of JSON), run its target on its spec with the
+    request's scratch directory, its output going to the parent, then reply with the marker and 0, or 1
+    where the target raised (its traceback printed); end at the end of the input or when the parent is
+    gone.  A target that ends the child (a signal, ``SystemExit``, Ctrl-C) ends it: the parent sees how."""
+    mark = os.environ.pop("GRADZIP_COMPILE_REPLY")
+    _die_with_parent()
+    tmpdir = os.environ.get("TMPDIR")
+    for line in sys.stdin:
+        request = json.loads(line)
+        module, _, name = request["target"].partition(":")
+        _SCRATCH[0] = request["scratch"]
+        status = 0
+        try:
+            getattr(importlib.import_module(module), name)(request["spec"])
+        except Exception:  # noqa: BLE001 - the parent records it; the next compile may well succeed
+            traceback.print_exc()
+            status = 1
+        finally:
+            _SCRATCH[0] = None
+            if tmpdir is None:
+                os.environ.pop("TMPDIR", None)
+            else:
+                os.environ["TMPDIR"] = tmpdir
+        sys.stderr.flush()
+        sys.stdout.write(f"\n{mark} {status}\n")  # on a line of its own, whatever the target printed last
+        sys.stdout.flush()
+    os._exit(0)
+
+
 def _main(spec: dict) -> None:
     """Export the kernel ``spec`` names on zero tensors of its form (on ``spec["device"]``), every larger
     size symbolic, compile it, check it against the kernel's eager code, and only then put it at
     ``spec["path"]``, its sidecar first (each written whole under a name of its own, then renamed)."""
-    _die_with_parent()
     kernel = getattr(importlib.import_module(spec["module"]), spec["kernel"])
     fn, static, shapes = kernel.fn, spec["static"], spec["shapes"]
     assert package_path(fn, static, _as_form(shapes), spec["options"], spec["device"]) == spec["path"], "another gradzip"
@@ -376,11 +485,14 @@ def _main(spec: dict) -> None:
     torch._inductor.aoti_compile_and_package(exported, package_path=part + ".pt2", inductor_configs=options)
     _unpack_in_scratch()
     package = Package(torch._inductor.aoti_load_package(part + ".pt2", device_index=_index(spec["device"])), mins)
-    for args in _checked(spec, kernel.nonnegative):  # export keeps guards the package drops
-        if not package.fits(args):
-            raise RuntimeError(f"{spec['kernel']}'s package needs sizes of at least {mins}, more than its checks' "
-                               f"{[tuple(t.shape) for t in args]}")
-        _check(package, fn, static, args, spec["kernel"], kernel.ordered)
+    try:
+        for args in _checked(spec, kernel.nonnegative):  # export keeps guards the package drops
+            if not package.fits(args):
+                raise RuntimeError(f"{spec['kernel']}'s package needs sizes of at least {mins}, more than its "
+                                   f"checks' {[tuple(t.shape) for t in args]}")
+            _check(package, fn, static, args, spec["kernel"], kernel.ordered)
+    finally:
+        package.unload()  # what it unpacked goes with it: the child serves other compiles
     with open(part + ".json", "w") as meta:
         json.dump({"mins": mins, "kernel": spec["kernel"], "static": static, "shapes": shapes}, meta)
         meta.flush()
@@ -390,11 +502,16 @@ def _main(spec: dict) -> None:
 
 
 def _compile_loops_at(level: Optional[str]) -> None:
-    """Have this child's C++ loops compiled at ``level`` instead of -O3.  Inductor has no option for it:
-    the function that gives its flags is wrapped (a torch without it compiles at -O3, slower, no worse)."""
+    """Have this child's C++ loops compiled at ``level`` instead of -O3 (None: at -O3).  Inductor has no
+    option for it: the function that gives its flags is wrapped (a torch without it compiles at -O3,
+    slower, no worse)."""
     from torch._inductor import cpp_builder
     flags = getattr(cpp_builder, "_get_optimization_cflags", None)
-    if level is None or flags is None:
+    flags = getattr(flags, "wrapped", flags)  # a compile before this one's level
+    if flags is None:
+        return
+    if level is None:
+        cpp_builder._get_optimization_cflags = flags
         return
 
     def at_level(*args, **kwargs):
@@ -402,6 +519,7 @@ def _compile_loops_at(level: Optional[str]) -> None:
         cflags = given[0] if isinstance(given, tuple) else given
         cflags = [level if flag == "O3" else flag for flag in cflags]
         return (cflags, *given[1:]) if isinstance(given, tuple) else cflags
+    at_level.wrapped = flags
     cpp_builder._get_optimization_cflags = at_level
 
 
@@ -489,25 +607,24 @@ def _same(a: torch.Tensor, b: torch.Tensor, ordered: bool = True) -> bool:
 
 
 def _unpack_in_scratch() -> None:
-    """Have AOTInductor unpack the packages this child loads from now on into its scratch directory
+    """Have AOTInductor unpack the packages this compile loads from now on into its scratch directory
     (it reads ``TMPDIR`` at each load; only its runner's destruction would remove what it unpacked, and
     a killed child destroys nothing).  Set once the compile is done, not before: Inductor keeps caches
-    under the temporary directory (precompiled headers), which every compile shares."""
-    scratch = os.environ.get("GRADZIP_COMPILE_SCRATCH")
-    if scratch:
-        os.environ["TMPDIR"] = scratch
+    under the temporary directory (precompiled headers), which every compile shares; the child puts
+    ``TMPDIR`` back after each compile."""
+    if _SCRATCH[0]:
+        os.environ["TMPDIR"] = _SCRATCH[0]
 
 
 def _die_with_parent() -> None:
-    """End this child, and remove its scratch directory, when the process that asked for it is gone
-    (killed, so no atexit ran there to do either)."""
-    parent, scratch = os.getppid(), os.environ.get("GRADZIP_COMPILE_SCRATCH")
+    """End this child, and remove the scratch directory of the compile it runs, when the process that
+    asked for it is gone (killed, so no atexit ran there to do either)."""
+    parent = os.getppid()
 
     def watch():
         while os.getppid() == parent:
             time.sleep(1)
-        if scratch:
-            shutil.rmtree(scratch, ignore_errors=True)
+        if _SCRATCH[0]:
+            shutil.rmtree(_SCRATCH[0], ignore_errors=True)
         os._exit(1)
     threading.Thread(target=watch, daemon=True).start()
-

@@ -221,7 +221,7 @@ def test_one_package_serves_every_size(shapes, monkeypatch):
     names = ("_qsgd_bucket_encode", "_bucket_residual")
     compare_with_reference("qsgd", {"feedback": "residual"}, names, monkeypatch)  # compiled (or loaded) here
 
-    def compiled_again(argv):
+    def compiled_again(spec):
         raise RuntimeError("compiled again")
     monkeypatch.setattr(ahead, "spawn", compiled_again)
     monkeypatch.setattr(sys.modules[__name__], "SHAPES", shapes)
@@ -283,16 +283,16 @@ def test_the_compile_runs_in_a_child_while_exchanges_go_on(monkeypatch, tmp_path
     release, spawned = threading.Event(), []
     spawn = ahead.spawn
 
-    def held(argv):
+    def held(spec):
         spawned.append(threading.current_thread().name)
         assert release.wait(60)
-        path = json.loads(argv[-1])["path"]
+        path = spec["path"]
         compiled = os.path.join(kernel_cache, os.path.basename(path))  # the same name: kernel, form, sources
         if os.path.exists(compiled + ".json") and os.path.exists(compiled):
             shutil.copyfile(compiled + ".json", path + ".json")
             shutil.copyfile(compiled, path)
         else:
-            spawn(argv)
+            spawn(spec)
     monkeypatch.setattr(ahead, "spawn", held)
     ran = ran_ahead(kernel, monkeypatch)
     try:
@@ -318,7 +318,7 @@ def test_a_package_in_the_cache_is_loaded_not_compiled(monkeypatch):
     kernels.settle()
     monkeypatch.setattr(kernel, "_ahead", {})
 
-    def compiled_again(argv):
+    def compiled_again(spec):
         raise RuntimeError("compiled again")
     monkeypatch.setattr(ahead, "spawn", compiled_again)
     ran = ran_ahead(kernel, monkeypatch)
@@ -335,8 +335,8 @@ def test_ranks_on_one_machine_compile_once(monkeypatch, tmp_path):
     path = str(tmp_path / "k.pt2")
     spawned = []
 
-    def compiled(argv):
-        spawned.append(argv)
+    def compiled(spec):
+        spawned.append(spec)
         _write_package(path)
     monkeypatch.setattr(ahead, "spawn", compiled)
     holder = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, path + ".lock"], stdout=subprocess.PIPE, text=True)
@@ -379,16 +379,19 @@ def test_a_half_written_sidecar_is_no_package(tmp_path):
     assert ahead._meta(path) == {"mins": []}
 
 
-#: A compiling child as far as its files go: it unpacks something into the directory TMPDIR names, as
-#: AOTInductor does for every package it loads, says where (in the file argv[1]), and waits to be stopped.
-_UNPACKING = ("import os, sys, tempfile, time\n"
-              "from gradzip import ahead\n"
-              "ahead._die_with_parent()\n"
-              "ahead._unpack_in_scratch()\n"
-              "unpacked = tempfile.mkdtemp(prefix='aotinductor_', dir=os.environ['TMPDIR'])\n"
-              "with open(sys.argv[1] + '.part', 'w') as f: f.write(f'{os.getpid()} {unpacked}')\n"
-              "os.replace(sys.argv[1] + '.part', sys.argv[1])\n"
-              "time.sleep(600)\n")
+#: Where the stand-ins for a compile live (the children import them as they import gradzip: from this
+#: process's import path).
+TARGETS = "tests.compile_targets"
+
+
+def _said(path: str, timeout: float = 60) -> list:
+    """What a stand-in wrote to ``path``, once it has."""
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, f"nothing at {path} after {timeout} s"
+        time.sleep(0.01)
+    with open(path) as f:
+        return json.load(f)
 
 
 def _left(tmp) -> list:
@@ -400,24 +403,23 @@ def test_a_process_that_exits_mid_compile_stops_its_child(tmp_path):
     """A user's script that ends while its kernel compiles: the child is stopped (and the lock, released
     with the process, is free for the next run), no failure is recorded for it, and nothing it unpacked
     is left in the temporary directory."""
+    path, said, tmp = str(tmp_path / "k.pt2"), str(tmp_path / "said"), tmp_path / "tmp"
+    tmp.mkdir()
     script = (
         "import os, sys, threading, time\n"
         "from gradzip import ahead\n"
+        "spawn = ahead.spawn\n"
+        f"ahead.spawn = lambda spec: spawn({{'said': {said!r}}}, '{TARGETS}:unpacking')\n"
         "threading.Thread(target=ahead._compile, args=(sys.argv[1], {}), daemon=True).start()\n"
-        "while not os.path.exists(sys.argv[2]): time.sleep(0.01)\n"
+        f"while not os.path.exists({said!r}): time.sleep(0.01)\n"
         "print(next(iter(ahead._CHILDREN)).pid, flush=True)\n")
-    path, said, tmp = str(tmp_path / "k.pt2"), str(tmp_path / "said"), tmp_path / "tmp"
-    tmp.mkdir()
-    unpacking = script.replace("from gradzip import ahead\n", "from gradzip import ahead\n"
-                               "spawn = ahead.spawn\n"
-                               f"ahead.spawn = lambda argv: spawn([sys.executable, '-c', {_UNPACKING!r}, {said!r}])\n")
-    done = subprocess.run([sys.executable, "-c", unpacking, path, said], timeout=60, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", script, path], timeout=60, capture_output=True, text=True,
                           env=dict(os.environ, TMPDIR=str(tmp)))
     assert done.returncode == 0, done.stderr
     child = int(done.stdout.strip())
-    unpacked = open(said).read().split()[1]
+    pid, unpacked = _said(said)
     time.sleep(0.2)
-    assert not _alive(child) and not os.path.exists(path + ".failed")
+    assert pid == child and not _alive(child) and not os.path.exists(path + ".failed")
     assert unpacked.startswith(str(tmp)) and _left(tmp) == []
     with open(path + ".lock", "a") as lock:
         import fcntl
@@ -425,25 +427,25 @@ def test_a_process_that_exits_mid_compile_stops_its_child(tmp_path):
 
 
 def test_a_killed_process_leaves_no_compiling_child_nor_its_files(tmp_path):
-    """A process killed (no atexit runs) while a kernel compiles: the child notices, removes its scratch
-    directory with what it unpacked there, and ends."""
+    """A process killed (no atexit runs) while a kernel compiles: the child notices, removes the compile's
+    scratch directory with what it unpacked there, and ends."""
     said, tmp = str(tmp_path / "said"), tmp_path / "tmp"
     tmp.mkdir()
     script = (
         "import os, signal, sys, threading, time\n"
         "from gradzip import ahead\n"
-        f"threading.Thread(target=ahead.spawn, args=([sys.executable, '-c', {_UNPACKING!r}, {said!r}],), daemon=True).start()\n"
+        f"threading.Thread(target=ahead.spawn, args=({{'said': {said!r}}}, '{TARGETS}:unpacking'), daemon=True).start()\n"
         f"while not os.path.exists({said!r}): time.sleep(0.01)\n"
         "os.kill(os.getpid(), signal.SIGKILL)\n")
     done = subprocess.run([sys.executable, "-c", script], timeout=60, capture_output=True, text=True,
                           env=dict(os.environ, TMPDIR=str(tmp)))
     assert done.returncode == -signal.SIGKILL, done.stderr
-    child, unpacked = open(said).read().split()
+    child, unpacked = _said(said)
     assert unpacked.startswith(str(tmp)) and os.path.exists(unpacked)  # or the check below could not fail
     deadline = time.monotonic() + 30
-    while (_alive(int(child)) or _left(tmp)) and time.monotonic() < deadline:
+    while (_alive(child) or _left(tmp)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _alive(int(child)) and _left(tmp) == []
+    assert not _alive(child) and _left(tmp) == []
 
 
 def _alive(pid: int) -> bool:
@@ -458,21 +460,64 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_a_timed_out_compile_is_stopped_and_recorded(monkeypatch, tmp_path):
+@pytest.fixture
+def keeps_child(monkeypatch):
+    """This thread keeps its compiling child between compiles, as gradzip's background threads do; ended
+    after the test."""
+    monkeypatch.setattr(ahead._THREAD, "keeps_child", True, raising=False)
+    yield
+    ahead._close_child()
+
+
+def test_a_child_serves_its_threads_later_compiles_each_in_its_own_scratch(tmp_path, keeps_child):
+    """A compile that raises is reported with its exception line and leaves the child serving: the next
+    compile runs in the same process, with the temporary directory it had before (not the failed one's
+    scratch), and each compile's scratch directory is gone once it ends."""
+    first, second = str(tmp_path / "first"), str(tmp_path / "second")
+    with pytest.raises(ahead.CompileFailed, match=r"\(exit status 1\): ValueError: the compile's own failure$") as failed:
+        ahead.spawn({"said": first, "raises": True}, f"{TARGETS}:where")
+    assert "Traceback" in failed.value.output
+    pid, scratch = _said(first)
+    ahead.spawn({"said": second}, f"{TARGETS}:where")
+    again, tmpdir = _said(second)
+    assert again == pid == ahead._THREAD.child.pid and ahead._CHILDREN[ahead._THREAD.child] is None
+    assert os.path.basename(scratch).startswith("gradzip-compile-") and not os.path.exists(scratch)
+    assert tmpdir == os.environ.get("TMPDIR")
+
+
+def test_a_background_threads_child_ends_once_idle(monkeypatch, tmp_path):
+    """The child a background thread's compile started outlives the compile, and ends once no job has come
+    for :data:`gradzip.ahead.CHILD_IDLE_S`."""
+    monkeypatch.setattr(ahead, "CHILD_IDLE_S", 1.0)
+    said = str(tmp_path / "said")
+    ahead.submit(lambda: ahead.spawn({"said": said}, f"{TARGETS}:where"))
+    kernels.settle()
+    pid, _ = _said(said)
+    (child,) = [c for c in list(ahead._CHILDREN) if c.pid == pid]
+    assert _alive(pid)
+    deadline = time.monotonic() + 30
+    while child in ahead._CHILDREN and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert child not in ahead._CHILDREN and child.poll() is not None and not _alive(pid)
+
+
+def test_a_timed_out_compile_is_stopped_and_recorded(monkeypatch, tmp_path, keeps_child):
     """A child over the time limit is stopped (not left compiling beside the next one), and the reason is
     kept beside the package's name, so no rank or later run compiles it again."""
+    ahead.spawn({}, f"{TARGETS}:nothing")  # the child is up: the limit below is the compile's alone
+    child = ahead._THREAD.child
+    path, said = str(tmp_path / "k.pt2"), str(tmp_path / "said")
     monkeypatch.setattr(ahead, "COMPILE_TIMEOUT_S", 0.5)
-    path = str(tmp_path / "k.pt2")
-    started = []
-    real = ahead.spawn
+    real, started = ahead.spawn, []
 
-    def slow(argv):
+    def slow(spec):
         started.append(time.monotonic())
-        real([sys.executable, "-c", "import time; time.sleep(600)"])
+        real({"said": said}, f"{TARGETS}:sleeping")
     monkeypatch.setattr(ahead, "spawn", slow)
     with pytest.raises(RuntimeError, match="more than 0.5 s"):
         ahead._compile(path, {})
-    assert not ahead._CHILDREN and "more than 0.5 s" in open(path + ".failed").read()
+    assert _said(said) == [child.pid] and child.poll() == -signal.SIGKILL
+    assert child not in ahead._CHILDREN and "more than 0.5 s" in open(path + ".failed").read()
     with pytest.raises(RuntimeError, match="delete"):
         ahead._meta(path)
     assert len(started) == 1
@@ -483,12 +528,8 @@ def test_a_failed_compile_names_its_exception_and_keeps_the_output(monkeypatch, 
     at shutdown), and the ``.failed`` file keeps the whole output; a child stopped from outside (a job's
     time limit) records nothing, so the next process compiles again."""
     path = str(tmp_path / "k.pt2")
-    child = ("import sys, warnings\n"
-             "try:\n    raise ValueError('the real reason')\n"
-             "except ValueError:\n    import traceback; traceback.print_exc()\n"
-             "print('    return cls.__new__(cls, *args)'); sys.exit(1)\n")
     real = ahead.spawn
-    monkeypatch.setattr(ahead, "spawn", lambda argv: real([sys.executable, "-c", child]))
+    monkeypatch.setattr(ahead, "spawn", lambda spec: real(spec, f"{TARGETS}:exits_after_a_traceback"))
     with pytest.raises(RuntimeError, match=r"\(exit status 1\): ValueError: the real reason$"):
         ahead._compile(path, {})
     with open(path + ".failed") as failed:
@@ -498,8 +539,7 @@ def test_a_failed_compile_names_its_exception_and_keeps_the_output(monkeypatch, 
         ahead._meta(path)
 
     other = str(tmp_path / "stopped.pt2")
-    monkeypatch.setattr(ahead, "spawn", lambda argv: real(
-        [sys.executable, "-c", "import os, signal; print('half', flush=True); os.kill(os.getpid(), signal.SIGTERM)"]))
+    monkeypatch.setattr(ahead, "spawn", lambda spec: real(spec, f"{TARGETS}:terminated"))
     with pytest.raises(RuntimeError, match=r"killed by SIGTERM\): half"):
         ahead._compile(other, {})
     assert not os.path.exists(other + ".failed") and ahead._meta(other) is None
@@ -642,7 +682,7 @@ def test_a_failing_compile_warns_once_and_keeps_the_reference_path(monkeypatch, 
     monkeypatch.setattr(kernel, "ahead_numel", 1)
     monkeypatch.setattr(kernel, "_ahead", {})
 
-    def no_compiler(argv):
+    def no_compiler(spec):
         raise RuntimeError("compiling a kernel ahead failed: InvalidCxxCompiler: No working C++ compiler found")
     monkeypatch.setattr(ahead, "spawn", no_compiler)
     monkeypatch.setattr(kernels, "_AHEAD_WARNED", False)

@@ -1,0 +1,62 @@
+"""Stand-ins for a compile that a compiling child of :mod:`gradzip.ahead` runs (``ahead.spawn(spec,
+"tests.compile_targets:name")``): each takes the request's spec, as :func:`gradzip.ahead._main` does."""
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+import traceback
+
+from gradzip import ahead
+
+
+def _say(path: str, what) -> None:
+    """Write ``what`` to ``path`` whole (the test polls for the file)."""
+    with open(path + ".part", "w") as f:
+        json.dump(what, f)
+    os.replace(path + ".part", path)
+
+
+def nothing(spec: dict) -> None:
+    pass
+
+
+def unpacking(spec: dict) -> None:
+    """As a compile goes for its files: unpack something into the directory TMPDIR names, as AOTInductor does
+    for every package it loads, say where, and wait to be stopped."""
+    ahead._unpack_in_scratch()
+    unpacked = tempfile.mkdtemp(prefix="aotinductor_", dir=os.environ["TMPDIR"])
+    _say(spec["said"], [os.getpid(), unpacked])
+    time.sleep(600)
+
+
+def where(spec: dict) -> None:
+    """Say this child's process and temporary directory (after taking the scratch one where ``raises``), then
+    raise where told to."""
+    if spec.get("raises"):
+        ahead._unpack_in_scratch()
+    _say(spec["said"], [os.getpid(), os.environ.get("TMPDIR")])
+    if spec.get("raises"):
+        raise ValueError("the compile's own failure")
+
+
+def sleeping(spec: dict) -> None:
+    _say(spec["said"], [os.getpid()])
+    time.sleep(600)
+
+
+def exits_after_a_traceback(spec: dict) -> None:
+    """A failure printed, then more output (a warning's source line at shutdown), then exit status 1."""
+    try:
+        raise ValueError("the real reason")
+    except ValueError:
+        traceback.print_exc()
+    print("    return cls.__new__(cls, *args)")
+    sys.exit(1)
+
+
+def terminated(spec: dict) -> None:
+    """Stopped from outside (a job's time limit) after some output."""
+    print("half", flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
