@@ -207,6 +207,9 @@ COMPILE = "gradzip.ahead:_main"
 #: A background thread's compiling child ends once no job has come for this long: it holds torch (and on
 #: a GPU a context of its own), which a training process should not carry for nothing.
 CHILD_IDLE_S = 20.0
+#: Environment variables that change as a process runs (pytest's name of the test, those torch sets as it
+#: runs), which a compile does not depend on: a child started before one changed still serves.
+_CHANGING = ("PYTEST_CURRENT_TEST", "KMP_", "CUDA_MODULE_LOADING", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
 _THREAD = threading.local()
 
 
@@ -215,13 +218,14 @@ def spawn(spec: dict, target: str = COMPILE) -> None:
     exception line if that fails.  The child is started by a thread's first compile and serves its
     later ones (a background thread's until it idles, :data:`CHILD_IDLE_S`; another thread's for this
     compile only): some 8 s of a core a compile go to importing and warming torch's compiler, twice
-    what the compile itself takes in Python.  It sees this process's import path, so it compiles the
-    very gradzip that asked; it runs each compile with the temporary directory of a scratch directory
-    of its own (:func:`_unpack_in_scratch`), removed however the compile ends: a child is often killed
-    (its process ended mid-compile).  A compile that raises leaves the child serving; one that ends it
-    (a crash, a signal, over :data:`COMPILE_TIMEOUT_S`) is reported as it ended, and the next starts
-    another child."""
-    scratch = tempfile.mkdtemp(prefix="gradzip-compile-")
+    what the compile itself takes in Python.  It is started with this process's import path and
+    environment (again when either has changed since), so it compiles the very gradzip that asked, for
+    the cache it names; it runs each compile with the temporary directory of a scratch directory of its
+    own (:func:`_unpack_in_scratch`), removed however the compile ends: a child is often killed (its
+    process ended mid-compile).  A compile that fails ends its child (the next starts another: a
+    failure may have left the child's device or torch in a state no later compile should inherit), and
+    is reported as it ended: its exception line, a crash, a signal, over :data:`COMPILE_TIMEOUT_S`."""
+    scratch, child = tempfile.mkdtemp(prefix="gradzip-compile-"), None
     try:
         with _SPAWN_LOCK:
             if exiting():
@@ -241,34 +245,36 @@ def spawn(spec: dict, target: str = COMPILE) -> None:
             _close_child()
             raise
         finally:
-            timer.cancel()
-            with _SPAWN_LOCK:
-                if child in _CHILDREN:
-                    _CHILDREN[child] = None
-        if status is None:  # the child ended
+            timer.cancel()  # a stop already under way still kills the child: it is not served again below
+        if status != 0 or timed_out.is_set() or not getattr(_THREAD, "keeps_child", False):
             _close_child()
-            if timed_out.is_set():
-                raise RuntimeError(f"compiling a kernel ahead took more than {COMPILE_TIMEOUT_S} s")
+        if timed_out.is_set():
+            raise RuntimeError(f"compiling a kernel ahead took more than {COMPILE_TIMEOUT_S} s")
+        if status is None:  # the child ended
             raise CompileFailed(child.returncode, output)
         if status:
-            raise CompileFailed(status, output)
+            raise CompileFailed(status, output, raised=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-        if not getattr(_THREAD, "keeps_child", False):
-            _close_child()
+        with _SPAWN_LOCK:
+            if child is not None and _CHILDREN.get(child) == scratch:  # serving on: between compiles now
+                _CHILDREN[child] = None
 
 
 def _child() -> subprocess.Popen:
-    """This thread's compiling child, started if it has none alive (under ``_SPAWN_LOCK``)."""
+    """This thread's compiling child (under ``_SPAWN_LOCK``): started if it has none alive, or if the
+    import path or the environment changed since it started (a child keeps what it started with)."""
+    environment = {k: v for k, v in os.environ.items() if not k.startswith(_CHANGING)}
+    started = (tuple(p for p in sys.path if p), environment)
     child = getattr(_THREAD, "child", None)
     if child is not None:
-        if child.poll() is None:
+        if child.poll() is None and _THREAD.started == started:
             return child
-        _CHILDREN.pop(child, None)  # ended between compiles (killed from outside)
-    _THREAD.token = os.urandom(8).hex()  # marks the child's replies among its output
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), GRADZIP_COMPILE_REPLY=_THREAD.token)
+        _end(child)
+    _THREAD.started, _THREAD.token = started, os.urandom(8).hex()  # the token marks its replies in its output
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(started[0]), GRADZIP_COMPILE_REPLY=_THREAD.token)
     _THREAD.child = subprocess.Popen([sys.executable, "-c", _SERVE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, env=env)
+                                     stderr=subprocess.STDOUT, text=True, errors="replace", env=env)
     _CHILDREN[_THREAD.child] = None
     return _THREAD.child
 
@@ -293,13 +299,22 @@ def _request(child: subprocess.Popen, request: dict) -> tuple:
 def _close_child() -> None:
     """End this thread's compiling child, if it has one."""
     child = getattr(_THREAD, "child", None)
-    if child is None:
-        return
-    _THREAD.child = None
+    if child is not None:
+        _THREAD.child = None
+        with _SPAWN_LOCK:
+            _end(child)
+
+
+def _end(child: subprocess.Popen) -> None:
+    """Kill ``child``, close its pipes and forget it (under ``_SPAWN_LOCK``)."""
     child.kill()
-    child.communicate()  # closes its pipes
-    with _SPAWN_LOCK:
-        _CHILDREN.pop(child, None)
+    for pipe in (child.stdin, child.stdout):
+        try:
+            pipe.close()
+        except OSError:  # unflushed input to a dead child
+            pass
+    child.wait()
+    _CHILDREN.pop(child, None)
 
 
 #: Signals that stop a child from outside (a job's time limit, Ctrl-C, a scheduler): not the kernel's fault.
@@ -310,19 +325,19 @@ _RAISED = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Failure)\
 
 
 class CompileFailed(RuntimeError):
-    """A compiling child that exited non-zero: its exception line (or how it ended) as the message, its
-    whole output kept for the ``.failed`` file."""
+    """A compile that raised in its child (``raised``), or a child that ended with ``returncode``: its
+    exception line (or how it ended) as the message, its whole output kept for the ``.failed`` file."""
 
-    def __init__(self, returncode: int, output: str):
+    def __init__(self, returncode: int, output: str, raised: bool = False):
         lines = [line.strip() for line in output.splitlines() if line.strip()]
-        raised = [line for line in lines if _RAISED.match(line)]
-        how = f"exit status {returncode}"
+        raised_lines = [line for line in lines if _RAISED.match(line)]
+        how = "raised in its child" if raised else f"exit status {returncode}"
         if returncode < 0:
             try:
                 how = f"killed by {signal.Signals(-returncode).name}"
             except ValueError:
                 how = f"killed by signal {-returncode}"
-        last = raised[-1] if raised else lines[-1] if lines else "no output"
+        last = raised_lines[-1] if raised_lines else lines[-1] if lines else "no output"
         super().__init__(f"compiling a kernel ahead failed ({how}): {last}")
         self.output = output
         #: stopped from outside, so nothing is wrong with the kernel: compiled again by the next process
@@ -354,7 +369,10 @@ def _work(jobs: queue.Queue) -> None:
         try:
             job = jobs.get(timeout=CHILD_IDLE_S)
         except queue.Empty:
-            _close_child()
+            try:
+                _close_child()
+            except BaseException:  # noqa: BLE001 - nothing may end the thread: its queue would never settle
+                pass
             job = jobs.get()
         try:
             if not exiting():
@@ -387,8 +405,9 @@ def settle(timeout: Optional[float] = None) -> bool:
 
 @atexit.register
 def _exit() -> None:
-    """A queued job is not started, a running child is stopped (the process does not wait), and every
-    package loaded is unloaded (and one that a job loads from now on, at once)."""
+    """A queued job is not started, every compiling child is killed (and the scratch directory of a
+    compile it ran removed, once it is dead: at most 5 s a child), and every package loaded is unloaded
+    (and one that a job loads from now on, at once)."""
     with _SPAWN_LOCK:
         _EXITING.set()
         for child, scratch in list(_CHILDREN.items()):
@@ -427,8 +446,7 @@ if hasattr(os, "register_at_fork"):
 # -- the child ---------------------------------------------------------------------------------------------
 
 
-#: The compiling child's program (it exits at once when told to end: the interpreter's teardown of torch
-#: and Inductor would take some 2 s).
+#: The compiling child's program.
 _SERVE = "from gradzip import ahead; ahead._serve()"
 #: In a compiling child: the scratch directory of the compile it runs.
 _SCRATCH: list = [None]
@@ -436,12 +454,16 @@ _SCRATCH: list = [None]
 
 def _serve() -> None:
     """A compiling child: for each request read (a line of JSON), run its target on its spec with the
-    request's scratch directory, its output going to the parent, then reply with the marker and 0, or 1
-    where the target raised (its traceback printed); end at the end of the input or when the parent is
-    gone.  A target that ends the child (a signal, ``SystemExit``, Ctrl-C) ends it: the parent sees how."""
-    mark = os.environ.pop("GRADZIP_COMPILE_REPLY")
+    request's scratch directory, its output going to the parent, then reply on a line of its own: the
+    marker and 0, or 1 where the target raised (its traceback printed).  A target that ends the child
+    (a signal, ``SystemExit``) ends it: the parent sees how.  The child ends with its input (the parent
+    gone) or when the parent is gone; Ctrl-C, which reaches the whole process group, is the parent's to
+    act on (it kills its children as it exits)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    mark = os.environ.pop("GRADZIP_COMPILE_REPLY").encode()
+    replies = os.dup(1)  # whatever a compile does to sys.stdout, the replies reach the parent
     _die_with_parent()
-    tmpdir = os.environ.get("TMPDIR")
+    tmpdir, tempdir = os.environ.get("TMPDIR"), tempfile.gettempdir()
     for line in sys.stdin:
         request = json.loads(line)
         module, _, name = request["target"].partition(":")
@@ -449,7 +471,7 @@ def _serve() -> None:
         status = 0
         try:
             getattr(importlib.import_module(module), name)(request["spec"])
-        except Exception:  # noqa: BLE001 - the parent records it; the next compile may well succeed
+        except Exception:  # noqa: BLE001 - the parent records it
             traceback.print_exc()
             status = 1
         finally:
@@ -458,10 +480,15 @@ def _serve() -> None:
                 os.environ.pop("TMPDIR", None)
             else:
                 os.environ["TMPDIR"] = tmpdir
-        sys.stderr.flush()
-        sys.stdout.write(f"\n{mark} {status}\n")  # on a line of its own, whatever the target printed last
-        sys.stdout.flush()
-    os._exit(0)
+            tempfile.tempdir = tempdir
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except (OSError, ValueError):  # replaced, or closed, by the compile
+                    pass
+            sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+        os.write(replies, b"\n" + mark + b" %d\n" % status)
+    os._exit(0)  # the interpreter's teardown of torch and Inductor would take some 2 s
 
 
 def _main(spec: dict) -> None:

@@ -32,9 +32,9 @@ def unpacking(spec: dict) -> None:
 
 
 def where(spec: dict) -> None:
-    """Say this child's process and temporary directory (after taking the scratch one where ``raises``), then
-    raise where told to."""
-    if spec.get("raises"):
+    """Say this child's process and temporary directory (the compile's scratch directory, taken as a compile
+    takes it, where ``scratch``), then raise where ``raises``."""
+    if spec.get("scratch"):
         ahead._unpack_in_scratch()
     _say(spec["said"], [os.getpid(), os.environ.get("TMPDIR")])
     if spec.get("raises"):

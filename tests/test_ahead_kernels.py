@@ -380,8 +380,9 @@ def test_a_half_written_sidecar_is_no_package(tmp_path):
 
 
 #: Where the stand-ins for a compile live (the children import them as they import gradzip: from this
-#: process's import path).
+#: process's import path; the scripts below, from the repository's root).
 TARGETS = "tests.compile_targets"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _said(path: str, timeout: float = 60) -> list:
@@ -414,7 +415,7 @@ def test_a_process_that_exits_mid_compile_stops_its_child(tmp_path):
         f"while not os.path.exists({said!r}): time.sleep(0.01)\n"
         "print(next(iter(ahead._CHILDREN)).pid, flush=True)\n")
     done = subprocess.run([sys.executable, "-c", script, path], timeout=60, capture_output=True, text=True,
-                          env=dict(os.environ, TMPDIR=str(tmp)))
+                          env=dict(os.environ, TMPDIR=str(tmp)), cwd=ROOT)
     assert done.returncode == 0, done.stderr
     child = int(done.stdout.strip())
     pid, unpacked = _said(said)
@@ -438,7 +439,7 @@ def test_a_killed_process_leaves_no_compiling_child_nor_its_files(tmp_path):
         f"while not os.path.exists({said!r}): time.sleep(0.01)\n"
         "os.kill(os.getpid(), signal.SIGKILL)\n")
     done = subprocess.run([sys.executable, "-c", script], timeout=60, capture_output=True, text=True,
-                          env=dict(os.environ, TMPDIR=str(tmp)))
+                          env=dict(os.environ, TMPDIR=str(tmp)), cwd=ROOT)
     assert done.returncode == -signal.SIGKILL, done.stderr
     child, unpacked = _said(said)
     assert unpacked.startswith(str(tmp)) and os.path.exists(unpacked)  # or the check below could not fail
@@ -469,15 +470,14 @@ def keeps_child(monkeypatch):
     ahead._close_child()
 
 
-def test_a_child_serves_its_threads_later_compiles_each_in_its_own_scratch(tmp_path, keeps_child):
-    """A compile that raises is reported with its exception line and leaves the child serving: the next
-    compile runs in the same process, with the temporary directory it had before (not the failed one's
-    scratch), and each compile's scratch directory is gone once it ends."""
+def test_a_child_serves_its_threads_later_compiles_each_in_its_own_scratch(monkeypatch, tmp_path, keeps_child):
+    """A thread's next compile runs in the same child (the environment's changes as a process runs, such as
+    pytest's name of the test, notwithstanding), with the temporary directory it had before (not the
+    last compile's scratch), and each compile's scratch directory is gone once it ends."""
     first, second = str(tmp_path / "first"), str(tmp_path / "second")
-    with pytest.raises(ahead.CompileFailed, match=r"\(exit status 1\): ValueError: the compile's own failure$") as failed:
-        ahead.spawn({"said": first, "raises": True}, f"{TARGETS}:where")
-    assert "Traceback" in failed.value.output
+    ahead.spawn({"said": first, "scratch": True}, f"{TARGETS}:where")
     pid, scratch = _said(first)
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "another test (call)")
     ahead.spawn({"said": second}, f"{TARGETS}:where")
     again, tmpdir = _said(second)
     assert again == pid == ahead._THREAD.child.pid and ahead._CHILDREN[ahead._THREAD.child] is None
@@ -485,20 +485,68 @@ def test_a_child_serves_its_threads_later_compiles_each_in_its_own_scratch(tmp_p
     assert tmpdir == os.environ.get("TMPDIR")
 
 
+def test_a_failed_compile_or_a_changed_environment_gets_a_fresh_child(monkeypatch, tmp_path, keeps_child):
+    """A compile that raises is reported with its exception line and ends its child (the next compile runs
+    in another); so does a change of the environment or import path, which a child keeps from its start
+    (the cache a package's name is made in, the modules it imports); and a child killed between compiles
+    is replaced."""
+    said = [str(tmp_path / f"said{i}") for i in range(5)]
+    reason = r"\(raised in its child\): ValueError: the compile's own failure$"
+    with pytest.raises(ahead.CompileFailed, match=reason) as failed:
+        ahead.spawn({"said": said[0], "raises": True}, f"{TARGETS}:where")
+    assert "Traceback" in failed.value.output and ahead._THREAD.child is None
+    pids = [_said(said[0])[0]]
+    ahead.spawn({"said": said[1]}, f"{TARGETS}:where")
+    monkeypatch.setenv("GRADZIP_KERNEL_CACHE", str(tmp_path))
+    ahead.spawn({"said": said[2]}, f"{TARGETS}:where")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ahead.spawn({"said": said[3]}, f"{TARGETS}:where")
+    os.kill(ahead._THREAD.child.pid, signal.SIGKILL)
+    ahead._THREAD.child.wait()
+    ahead.spawn({"said": said[4]}, f"{TARGETS}:where")
+    pids += [_said(path)[0] for path in said[1:]]
+    assert len(set(pids)) == 5 and not any(_alive(pid) for pid in pids[:4])
+    listed = [c.pid for c in ahead._CHILDREN]
+    assert listed.count(pids[4]) == 1 and not set(listed) & set(pids[:4])
+
+
+def test_another_threads_compile_ends_its_child(tmp_path):
+    """Only gradzip's background threads keep a child between compiles: a compile on another thread (a
+    test's, a script's) ends its child with it."""
+    said = str(tmp_path / "said")
+    ahead.spawn({"said": said}, f"{TARGETS}:where")
+    pid, _ = _said(said)
+    assert getattr(ahead._THREAD, "child", None) is None and not _alive(pid)
+    assert pid not in {c.pid for c in ahead._CHILDREN}
+
+
 def test_a_background_threads_child_ends_once_idle(monkeypatch, tmp_path):
     """The child a background thread's compile started outlives the compile, and ends once no job has come
-    for :data:`gradzip.ahead.CHILD_IDLE_S`."""
+    for :data:`gradzip.ahead.CHILD_IDLE_S`; and a process that exits kills its idle children."""
     monkeypatch.setattr(ahead, "CHILD_IDLE_S", 1.0)
-    said = str(tmp_path / "said")
-    ahead.submit(lambda: ahead.spawn({"said": said}, f"{TARGETS}:where"))
+    said, children = str(tmp_path / "said"), []
+
+    def compile_and_keep():
+        ahead.spawn({"said": said}, f"{TARGETS}:where")
+        children.append((ahead._THREAD.child, ahead._THREAD.child.poll(), ahead._THREAD.child in ahead._CHILDREN))
+    ahead.submit(compile_and_keep)
     kernels.settle()
-    pid, _ = _said(said)
-    (child,) = [c for c in list(ahead._CHILDREN) if c.pid == pid]
-    assert _alive(pid)
+    (child, ended, listed), = children
+    assert ended is None and listed and child.pid == _said(said)[0]
     deadline = time.monotonic() + 30
     while child in ahead._CHILDREN and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert child not in ahead._CHILDREN and child.poll() is not None and not _alive(pid)
+    assert child not in ahead._CHILDREN and child.poll() is not None and not _alive(child.pid)
+
+    script = (
+        "from gradzip import ahead, kernels\n"
+        f"ahead.submit(lambda: ahead.spawn({{}}, '{TARGETS}:nothing'))\n"
+        "kernels.settle()\n"
+        "print(*[c.pid for c in ahead._CHILDREN], flush=True)\n")
+    done = subprocess.run([sys.executable, "-c", script], timeout=60, capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    (pid,) = map(int, done.stdout.split())
+    assert not _alive(pid)  # killed by the exit, not a second later by its own watch of its parent
 
 
 def test_a_timed_out_compile_is_stopped_and_recorded(monkeypatch, tmp_path, keeps_child):
@@ -672,8 +720,13 @@ def test_a_cpus_package_is_compiled_less_optimised(monkeypatch):
         given = cpp_builder._get_optimization_cflags("g++")
         return given[0] if isinstance(given, tuple) else given  # older torch: cflags alone
     assert "O3" in cflags()
+    original = cpp_builder._get_optimization_cflags
     ahead._compile_loops_at("O1")
     assert "O1" in cflags() and "O3" not in cflags(), cflags()
+    ahead._compile_loops_at("O1")  # a child's next compile: Inductor's own function wrapped once, not twice
+    assert cpp_builder._get_optimization_cflags.wrapped is original
+    ahead._compile_loops_at(None)  # a GPU's package after a CPU's, in one child: -O3 again
+    assert cpp_builder._get_optimization_cflags is original and "O3" in cflags()
 
 
 def test_a_failing_compile_warns_once_and_keeps_the_reference_path(monkeypatch, tmp_path):
@@ -831,7 +884,6 @@ def test_a_package_needing_larger_sizes_than_its_checks_is_a_failed_compile(monk
     spec["path"] = ahead.package_path(kernel.fn, {}, ahead._as_form(spec["shapes"]), {}, "cpu")
     monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", lambda *a, **k: None)
     monkeypatch.setattr(torch._inductor, "aoti_load_package", lambda *a, **k: kernel.fn)  # a right package
-    monkeypatch.setattr(ahead, "_die_with_parent", lambda: None)  # run here, not as a child
     needs = r"needs sizes of at least \[\[300\]\], more than its checks' \[\(257,\), \(\)\]"
     with pytest.raises(RuntimeError, match=needs):
         ahead._main(spec)
