@@ -207,9 +207,11 @@ COMPILE = "gradzip.ahead:_main"
 #: A background thread's compiling child ends once no job has come for this long: it holds torch (and on
 #: a GPU a context of its own), which a training process should not carry for nothing.
 CHILD_IDLE_S = 20.0
-#: Environment variables that change as a process runs (pytest's name of the test, those torch sets as it
-#: runs), which a compile does not depend on: a child started before one changed still serves.
-_CHANGING = ("PYTEST_CURRENT_TEST", "KMP_", "CUDA_MODULE_LOADING", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+#: Environment variables that change as a process runs and that a compile does not depend on (pytest's
+#: name of the test; those torch sets for its own loads, pools and profiler): a child started before
+#: one changed still serves.
+_CHANGING = ("PYTEST_CURRENT_TEST", "KMP_", "CUDA_MODULE_LOADING", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR",
+             "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR", "TORCH_WARM_POOL", "DISABLE_CUPTI_LAZY_REINIT", "TEARDOWN_CUPTI")
 _THREAD = threading.local()
 
 
@@ -218,13 +220,25 @@ def spawn(spec: dict, target: str = COMPILE) -> None:
     exception line if that fails.  The child is started by a thread's first compile and serves its
     later ones (a background thread's until it idles, :data:`CHILD_IDLE_S`; another thread's for this
     compile only): some 8 s of a core a compile go to importing and warming torch's compiler, twice
-    what the compile itself takes in Python.  It is started with this process's import path and
-    environment (again when either has changed since), so it compiles the very gradzip that asked, for
-    the cache it names; it runs each compile with the temporary directory of a scratch directory of its
-    own (:func:`_unpack_in_scratch`), removed however the compile ends: a child is often killed (its
-    process ended mid-compile).  A compile that fails ends its child (the next starts another: a
-    failure may have left the child's device or torch in a state no later compile should inherit), and
-    is reported as it ended: its exception line, a crash, a signal, over :data:`COMPILE_TIMEOUT_S`."""
+    what the compile itself takes in Python.  It is started with this process's import path, working
+    directory and environment, and again when any of them has changed since (but for the variables of
+    ``_CHANGING``), so it compiles the very gradzip that asked, for the cache it names.  What AOTInductor
+    unpacks as the child loads a package to check it goes to a scratch directory of the compile's own
+    (:func:`_unpack_in_scratch`), removed however the compile ends: a child is often killed (its process
+    ended mid-compile).  A compile that fails ends its child (a failure may have left the child's device
+    or torch in a state no later compile should inherit) and is reported as it ended: its exception
+    line, a crash, a signal, over :data:`COMPILE_TIMEOUT_S`; one that failed in a child that had served
+    others is first tried once more in a fresh child, so what an earlier compile left behind cannot
+    mark this kernel failed on the machine."""
+    try:
+        _spawn(spec, target)
+    except CompileFailed as failed:
+        if not failed.after_others or failed.stopped or exiting():
+            raise
+        _spawn(spec, target)
+
+
+def _spawn(spec: dict, target: str) -> None:
     scratch, child = tempfile.mkdtemp(prefix="gradzip-compile-"), None
     try:
         with _SPAWN_LOCK:
@@ -232,7 +246,7 @@ def spawn(spec: dict, target: str = COMPILE) -> None:
                 raise RuntimeError("the process is exiting")
             child = _child()
             _CHILDREN[child] = scratch
-        timed_out = threading.Event()
+        served, timed_out = _THREAD.served, threading.Event()
 
         def stop():
             timed_out.set()
@@ -245,15 +259,17 @@ def spawn(spec: dict, target: str = COMPILE) -> None:
             _close_child()
             raise
         finally:
-            timer.cancel()  # a stop already under way still kills the child: it is not served again below
+            timer.cancel()
+            timer.join()  # a stop under way has killed the child once this returns: it is not served again
+        _THREAD.served += 1
         if status != 0 or timed_out.is_set() or not getattr(_THREAD, "keeps_child", False):
             _close_child()
-        if timed_out.is_set():
+        if status is None and timed_out.is_set():
             raise RuntimeError(f"compiling a kernel ahead took more than {COMPILE_TIMEOUT_S} s")
         if status is None:  # the child ended
-            raise CompileFailed(child.returncode, output)
+            raise CompileFailed(child.returncode, output, after_others=served > 0)
         if status:
-            raise CompileFailed(status, output, raised=True)
+            raise CompileFailed(status, output, raised=True, after_others=served > 0)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
         with _SPAWN_LOCK:
@@ -262,17 +278,19 @@ def spawn(spec: dict, target: str = COMPILE) -> None:
 
 
 def _child() -> subprocess.Popen:
-    """This thread's compiling child (under ``_SPAWN_LOCK``): started if it has none alive, or if the
-    import path or the environment changed since it started (a child keeps what it started with)."""
-    environment = {k: v for k, v in os.environ.items() if not k.startswith(_CHANGING)}
-    started = (tuple(p for p in sys.path if p), environment)
+    """This thread's compiling child (under ``_SPAWN_LOCK``): started if it has none alive, or if what it
+    was started with has changed (a child keeps its import path, working directory and environment)."""
+    environment = {k: v for k in list(os.environ) if (v := os.environ.get(k)) is not None}  # another thread may
+    started = (tuple(p for p in sys.path if p), os.getcwd(),  # change it meanwhile, as Inductor's threads do
+               {k: v for k, v in environment.items() if not k.startswith(_CHANGING)})
     child = getattr(_THREAD, "child", None)
     if child is not None:
         if child.poll() is None and _THREAD.started == started:
             return child
         _end(child)
-    _THREAD.started, _THREAD.token = started, os.urandom(8).hex()  # the token marks its replies in its output
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(started[0]), GRADZIP_COMPILE_REPLY=_THREAD.token)
+    _THREAD.started, _THREAD.served, _THREAD.token = started, 0, os.urandom(8).hex()  # the token marks replies
+    env = dict(environment, PYTHONPATH=os.pathsep.join(started[0]), GRADZIP_COMPILE_REPLY=_THREAD.token,
+               GRADZIP_COMPILE_PARENT=str(os.getpid()))
     _THREAD.child = subprocess.Popen([sys.executable, "-c", _SERVE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, errors="replace", env=env)
     _CHILDREN[_THREAD.child] = None
@@ -297,23 +315,26 @@ def _request(child: subprocess.Popen, request: dict) -> tuple:
 
 
 def _close_child() -> None:
-    """End this thread's compiling child, if it has one."""
+    """End this thread's compiling child, if it has one (waiting at most 5 s for it, outside the lock)."""
     child = getattr(_THREAD, "child", None)
     if child is not None:
         _THREAD.child = None
         with _SPAWN_LOCK:
             _end(child)
+        try:
+            child.wait(timeout=5)
+        except subprocess.TimeoutExpired:  # stuck in the kernel (a GPU's fault): reaped when it ends
+            pass
 
 
 def _end(child: subprocess.Popen) -> None:
-    """Kill ``child``, close its pipes and forget it (under ``_SPAWN_LOCK``)."""
+    """Kill ``child``, close its pipes and forget it (under ``_SPAWN_LOCK``; it is not waited for)."""
     child.kill()
     for pipe in (child.stdin, child.stdout):
         try:
             pipe.close()
         except OSError:  # unflushed input to a dead child
             pass
-    child.wait()
     _CHILDREN.pop(child, None)
 
 
@@ -328,7 +349,7 @@ class CompileFailed(RuntimeError):
     """A compile that raised in its child (``raised``), or a child that ended with ``returncode``: its
     exception line (or how it ended) as the message, its whole output kept for the ``.failed`` file."""
 
-    def __init__(self, returncode: int, output: str, raised: bool = False):
+    def __init__(self, returncode: int, output: str, raised: bool = False, after_others: bool = False):
         lines = [line.strip() for line in output.splitlines() if line.strip()]
         raised_lines = [line for line in lines if _RAISED.match(line)]
         how = "raised in its child" if raised else f"exit status {returncode}"
@@ -342,6 +363,8 @@ class CompileFailed(RuntimeError):
         self.output = output
         #: stopped from outside, so nothing is wrong with the kernel: compiled again by the next process
         self.stopped = returncode < 0 and -returncode in _STOPPED
+        #: in a child that had served other compiles, which may have left it unfit for this one
+        self.after_others = after_others
 
 
 # -- the background threads -------------------------------------------------------------------------------
@@ -410,8 +433,10 @@ def _exit() -> None:
     (and one that a job loads from now on, at once)."""
     with _SPAWN_LOCK:
         _EXITING.set()
-        for child, scratch in list(_CHILDREN.items()):
+        children = list(_CHILDREN.items())
+        for child, _ in children:
             child.kill()
+        for child, scratch in children:
             try:
                 child.wait(timeout=5)  # killed: at once; its files can go only once it has
             except subprocess.TimeoutExpired:
@@ -446,8 +471,9 @@ if hasattr(os, "register_at_fork"):
 # -- the child ---------------------------------------------------------------------------------------------
 
 
-#: The compiling child's program.
-_SERVE = "from gradzip import ahead; ahead._serve()"
+#: The compiling child's program.  Ctrl-C reaches the whole process group: it is the parent's to act on
+#: (it kills its children as it exits), from before the child's imports on.
+_SERVE = "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); from gradzip import ahead; ahead._serve()"
 #: In a compiling child: the scratch directory of the compile it runs.
 _SCRATCH: list = [None]
 
@@ -456,13 +482,11 @@ def _serve() -> None:
     """A compiling child: for each request read (a line of JSON), run its target on its spec with the
     request's scratch directory, its output going to the parent, then reply on a line of its own: the
     marker and 0, or 1 where the target raised (its traceback printed).  A target that ends the child
-    (a signal, ``SystemExit``) ends it: the parent sees how.  The child ends with its input (the parent
-    gone) or when the parent is gone; Ctrl-C, which reaches the whole process group, is the parent's to
-    act on (it kills its children as it exits)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    (a signal, ``SystemExit``) ends it: the parent sees how.  The parent kills the child when done with
+    it; the child ends itself once the parent is gone (:func:`_die_with_parent`)."""
     mark = os.environ.pop("GRADZIP_COMPILE_REPLY").encode()
     replies = os.dup(1)  # whatever a compile does to sys.stdout, the replies reach the parent
-    _die_with_parent()
+    _die_with_parent(int(os.environ.pop("GRADZIP_COMPILE_PARENT")))
     tmpdir, tempdir = os.environ.get("TMPDIR"), tempfile.gettempdir()
     for line in sys.stdin:
         request = json.loads(line)
@@ -481,12 +505,17 @@ def _serve() -> None:
             else:
                 os.environ["TMPDIR"] = tmpdir
             tempfile.tempdir = tempdir
-            for stream in (sys.stdout, sys.stderr):
+            for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
                 try:
                     stream.flush()
-                except (OSError, ValueError):  # replaced, or closed, by the compile
+                except Exception:  # noqa: BLE001 - replaced, or closed, by the compile
                     pass
             sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+            try:
+                if torch.cuda.is_initialized():  # the checks' blocks go back to the GPU the user trains on
+                    torch.cuda.empty_cache()
+            except Exception:  # noqa: BLE001 - a device the compile left failed: its status says so
+                pass
         os.write(replies, b"\n" + mark + b" %d\n" % status)
     os._exit(0)  # the interpreter's teardown of torch and Inductor would take some 2 s
 
@@ -643,10 +672,10 @@ def _unpack_in_scratch() -> None:
         os.environ["TMPDIR"] = _SCRATCH[0]
 
 
-def _die_with_parent() -> None:
-    """End this child, and remove the scratch directory of the compile it runs, when the process that
-    asked for it is gone (killed, so no atexit ran there to do either)."""
-    parent = os.getppid()
+def _die_with_parent(parent: int) -> None:
+    """End this child, and remove the scratch directory of the compile it runs, when ``parent``, the
+    process that started it, is gone (killed, so no atexit ran there to do either; gone already while
+    the child imported torch, too)."""
 
     def watch():
         while os.getppid() == parent:

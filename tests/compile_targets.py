@@ -32,12 +32,25 @@ def unpacking(spec: dict) -> None:
 
 
 def where(spec: dict) -> None:
-    """Say this child's process and temporary directory (the compile's scratch directory, taken as a compile
-    takes it, where ``scratch``), then raise where ``raises``."""
+    """Say this child's process and temporary directory, as the environment and Python's ``tempfile`` have
+    it (the compile's scratch directory, taken as a compile takes it, where ``scratch``)."""
     if spec.get("scratch"):
         ahead._unpack_in_scratch()
-    _say(spec["said"], [os.getpid(), os.environ.get("TMPDIR")])
-    if spec.get("raises"):
+        tempfile.tempdir = None  # as if first asked for now: from TMPDIR
+    _say(spec["said"], [os.getpid(), os.environ.get("TMPDIR"), tempfile.gettempdir()])
+
+
+#: How many times this child has run :func:`logged`.
+_LOGGED = [0]
+
+
+def logged(spec: dict) -> None:
+    """Add this child's process to the file ``log``; raise where ``raises``, or where ``raises_if_run_before``
+    and this child has run this before."""
+    _LOGGED[0] += 1
+    with open(spec["log"], "a") as log:
+        log.write(f"{os.getpid()}\n")
+    if spec.get("raises") or (spec.get("raises_if_run_before") and _LOGGED[0] > 1):
         raise ValueError("the compile's own failure")
 
 
