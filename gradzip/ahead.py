@@ -232,19 +232,26 @@ def spawn(spec: dict, target: str = COMPILE) -> None:
     mark this kernel failed on the machine."""
     try:
         _spawn(spec, target)
+        return
     except CompileFailed as failed:
         if not failed.after_others or failed.stopped or exiting():
             raise
-        _spawn(spec, target)
+    _spawn(spec, target)  # its failure, if it fails too, is the one recorded
 
 
 def _spawn(spec: dict, target: str) -> None:
     scratch, child = tempfile.mkdtemp(prefix="gradzip-compile-"), None
     try:
+        # a copy made key by key: another thread may change the environment meanwhile, as Inductor's do
+        environment = {k: v for k in list(os.environ) if (v := os.environ.get(k)) is not None}
+        started = _started(environment)
+        kept = getattr(_THREAD, "child", None)
+        if kept is not None and (kept.poll() is not None or _THREAD.started != started):
+            _close_child()  # ended between compiles (killed from outside), or started with what has changed
         with _SPAWN_LOCK:
             if exiting():
                 raise RuntimeError("the process is exiting")
-            child = _child()
+            child = _child(started, environment)
             _CHILDREN[child] = scratch
         served, timed_out = _THREAD.served, threading.Event()
 
@@ -277,17 +284,21 @@ def _spawn(spec: dict, target: str) -> None:
                 _CHILDREN[child] = None
 
 
-def _child() -> subprocess.Popen:
-    """This thread's compiling child (under ``_SPAWN_LOCK``): started if it has none alive, or if what it
-    was started with has changed (a child keeps its import path, working directory and environment)."""
-    environment = {k: v for k in list(os.environ) if (v := os.environ.get(k)) is not None}  # another thread may
-    started = (tuple(p for p in sys.path if p), os.getcwd(),  # change it meanwhile, as Inductor's threads do
-               {k: v for k, v in environment.items() if not k.startswith(_CHANGING)})
-    child = getattr(_THREAD, "child", None)
-    if child is not None:
-        if child.poll() is None and _THREAD.started == started:
-            return child
-        _end(child)
+def _started(environment: dict) -> tuple:
+    """What a child started now keeps: the import path, the working directory (None where it was removed)
+    and ``environment`` but for ``_CHANGING``."""
+    try:
+        cwd = os.getcwd()
+    except OSError:
+        cwd = None
+    return (tuple(p for p in sys.path if p), cwd,
+            {k: v for k, v in environment.items() if not k.startswith(_CHANGING)})
+
+
+def _child(started: tuple, environment: dict) -> subprocess.Popen:
+    """This thread's compiling child (under ``_SPAWN_LOCK``), started if it has none."""
+    if getattr(_THREAD, "child", None) is not None:
+        return _THREAD.child
     _THREAD.started, _THREAD.served, _THREAD.token = started, 0, os.urandom(8).hex()  # the token marks replies
     env = dict(environment, PYTHONPATH=os.pathsep.join(started[0]), GRADZIP_COMPILE_REPLY=_THREAD.token,
                GRADZIP_COMPILE_PARENT=str(os.getpid()))
@@ -315,27 +326,25 @@ def _request(child: subprocess.Popen, request: dict) -> tuple:
 
 
 def _close_child() -> None:
-    """End this thread's compiling child, if it has one (waiting at most 5 s for it, outside the lock)."""
+    """End this thread's compiling child, if it has one: killed, then waited for (at most 5 s, outside the
+    lock) while still listed, so that an exit meanwhile waits for it too before it removes the scratch
+    directory of a compile it ran."""
     child = getattr(_THREAD, "child", None)
-    if child is not None:
-        _THREAD.child = None
-        with _SPAWN_LOCK:
-            _end(child)
-        try:
-            child.wait(timeout=5)
-        except subprocess.TimeoutExpired:  # stuck in the kernel (a GPU's fault): reaped when it ends
-            pass
-
-
-def _end(child: subprocess.Popen) -> None:
-    """Kill ``child``, close its pipes and forget it (under ``_SPAWN_LOCK``; it is not waited for)."""
+    if child is None:
+        return
+    _THREAD.child = None
     child.kill()
     for pipe in (child.stdin, child.stdout):
         try:
             pipe.close()
         except OSError:  # unflushed input to a dead child
             pass
-    _CHILDREN.pop(child, None)
+    try:
+        child.wait(timeout=5)
+    except subprocess.TimeoutExpired:  # stuck in the kernel (a GPU's fault): reaped when it ends
+        pass
+    with _SPAWN_LOCK:
+        _CHILDREN.pop(child, None)
 
 
 #: Signals that stop a child from outside (a job's time limit, Ctrl-C, a scheduler): not the kernel's fault.
@@ -472,7 +481,7 @@ if hasattr(os, "register_at_fork"):
 
 
 #: The compiling child's program.  Ctrl-C reaches the whole process group: it is the parent's to act on
-#: (it kills its children as it exits), from before the child's imports on.
+#: (it kills its children as it exits), from the child's first statement on (before its imports).
 _SERVE = "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); from gradzip import ahead; ahead._serve()"
 #: In a compiling child: the scratch directory of the compile it runs.
 _SCRATCH: list = [None]

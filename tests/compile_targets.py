@@ -55,7 +55,9 @@ def logged(spec: dict) -> None:
 
 
 def sleeping(spec: dict) -> None:
-    _say(spec["said"], [os.getpid()])
+    """Add this child's process to the file ``log``, then sleep."""
+    with open(spec["log"], "a") as log:
+        log.write(f"{os.getpid()}\n")
     time.sleep(600)
 
 

@@ -502,7 +502,12 @@ def test_a_failed_compile_or_a_changed_environment_gets_a_fresh_child(monkeypatc
         ahead.spawn({"log": log, "raises": True}, f"{TARGETS}:logged")
     assert "Traceback" in failed.value.output and ahead._THREAD.child is None
     ahead.spawn({"log": log}, f"{TARGETS}:logged")
-    ahead.spawn({"log": log, "raises_if_run_before": True}, f"{TARGETS}:logged")  # raises, then not in a fresh child
+    path, real = str(tmp_path / "k.pt2"), ahead.spawn
+    with pytest.MonkeyPatch.context() as patch:
+        failing_if_run_before = {"log": log, "raises_if_run_before": True}
+        patch.setattr(ahead, "spawn", lambda spec: real(failing_if_run_before, f"{TARGETS}:logged"))
+        ahead._compile(path, {})  # raises in the used child, then not in a fresh one: nothing recorded
+    assert not os.path.exists(path + ".failed")
     monkeypatch.setenv("GRADZIP_KERNEL_CACHE", str(tmp_path))
     ahead.spawn({"log": log}, f"{TARGETS}:logged")
     monkeypatch.chdir(tmp_path)
@@ -566,21 +571,28 @@ def test_a_timed_out_compile_is_stopped_and_recorded(monkeypatch, tmp_path, keep
     kept beside the package's name, so no rank or later run compiles it again."""
     ahead.spawn({}, f"{TARGETS}:nothing")  # the child is up: the limit below is the compile's alone
     child = ahead._THREAD.child
-    path, said = str(tmp_path / "k.pt2"), str(tmp_path / "said")
+    path, log = str(tmp_path / "k.pt2"), str(tmp_path / "log")
     monkeypatch.setattr(ahead, "COMPILE_TIMEOUT_S", 3)
-    real, started = ahead.spawn, []
-
-    def slow(spec):
-        started.append(time.monotonic())
-        real({"said": said}, f"{TARGETS}:sleeping")
-    monkeypatch.setattr(ahead, "spawn", slow)
+    real = ahead.spawn
+    monkeypatch.setattr(ahead, "spawn", lambda spec: real({"log": log}, f"{TARGETS}:sleeping"))
     with pytest.raises(RuntimeError, match="more than 3 s"):
         ahead._compile(path, {})
-    assert _said(said) == [child.pid] and child.poll() == -signal.SIGKILL
-    assert child not in ahead._CHILDREN and "more than 3 s" in open(path + ".failed").read()
+    with open(log) as f:
+        assert f.read().split() == [str(child.pid)]  # that child, and not tried again in another
+    assert child.poll() == -signal.SIGKILL and child not in ahead._CHILDREN
+    assert "more than 3 s" in open(path + ".failed").read()
     with pytest.raises(RuntimeError, match="delete"):
         ahead._meta(path)
-    assert len(started) == 1
+
+    class Late(threading.Timer):
+        """A limit that passes as the reply comes: the compile succeeded, its child is not served again."""
+        def cancel(self):
+            self.function()
+            super().cancel()
+    monkeypatch.setattr(ahead.threading, "Timer", Late)
+    monkeypatch.setattr(ahead, "COMPILE_TIMEOUT_S", 600)  # a fresh child's start is well within it
+    real({}, f"{TARGETS}:nothing")
+    assert getattr(ahead._THREAD, "child", None) is None
 
 
 def test_a_failed_compile_names_its_exception_and_keeps_the_output(monkeypatch, tmp_path):
