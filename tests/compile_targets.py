@@ -44,20 +44,24 @@ def where(spec: dict) -> None:
 _LOGGED = [0]
 
 
+def _log(path: str) -> None:
+    """Add this child's process to the file ``path``, a line each."""
+    with open(path, "a") as log:
+        log.write(f"{os.getpid()}\n")
+
+
 def logged(spec: dict) -> None:
     """Add this child's process to the file ``log``; raise where ``raises``, or where ``raises_if_run_before``
     and this child has run this before."""
     _LOGGED[0] += 1
-    with open(spec["log"], "a") as log:
-        log.write(f"{os.getpid()}\n")
+    _log(spec["log"])
     if spec.get("raises") or (spec.get("raises_if_run_before") and _LOGGED[0] > 1):
         raise ValueError("the compile's own failure")
 
 
 def sleeping(spec: dict) -> None:
     """Add this child's process to the file ``log``, then sleep."""
-    with open(spec["log"], "a") as log:
-        log.write(f"{os.getpid()}\n")
+    _log(spec["log"])
     time.sleep(600)
 
 
