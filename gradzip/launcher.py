@@ -43,8 +43,8 @@ def _read_at_start() -> dict:
 
 
 def worker_context():
-    """The multiprocessing context local workers start from: a fork server that has imported torch and
-    gradzip once, for this process's lifetime.
+    """The multiprocessing context local workers start from: a fork server that has imported torch (with
+    TorchDynamo, which every optimizer imports) and gradzip once, for this process's lifetime.
 
     A freshly spawned interpreter spends seconds of a core importing torch before a worker does anything;
     one forked from the server starts at once.  The server never runs a kernel, touches a device or starts
@@ -60,7 +60,10 @@ def worker_context():
     if _SERVER_ENVIRONMENT.setdefault("started", now) != now:
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "gradzip"])  # a server already running keeps what it has
+    # torch._dynamo too: PyTorch's optimizers import it as they are built (their __init__ is wrapped by
+    # torch._disable_dynamo), 2-3 s of a core in every worker that builds one.  A server already running
+    # keeps what it has.
+    ctx.set_forkserver_preload(["torch", "torch._dynamo", "gradzip"])
     return ctx
 
 

@@ -4,6 +4,7 @@ The full Fashion-MNIST test runs only where the Debian package dataset-fashion-m
 """
 import gzip
 import pickle
+import sys
 import time
 
 import numpy as np
@@ -394,6 +395,23 @@ def test_digits_split():
     assert x.shape == (1437, 1, 8, 8) and x.dtype == torch.float32 and x.min() == 0 and x.max() == 1
     again, _ = load_dataset("digits", seed=5)
     assert torch.equal(again.tensors[0], x)  # the split does not follow seed
+
+
+def test_digits_are_load_digits_read_without_importing_scikit_learn(monkeypatch):
+    """The table is scikit-learn's own, read from its file (no sklearn import: seconds in every worker);
+    where the file is not found, load_digits gives the same."""
+    sklearn_datasets = pytest.importorskip("sklearn.datasets")
+    bunch = sklearn_datasets.load_digits()
+    want = np.concatenate([bunch.data, bunch.target[:, None]], axis=1)
+    with monkeypatch.context() as m:
+        m.setitem(sys.modules, "sklearn", None)  # importing it now raises ImportError
+        assert np.array_equal(data_module._digits_table(), want)
+    m = monkeypatch
+    m.setattr(data_module.importlib.util, "find_spec", lambda name: None)
+    assert np.array_equal(data_module._digits_table(), want)
+    m.setitem(sys.modules, "sklearn.datasets", None)
+    with pytest.raises(DataNotFoundError, match="ships with scikit-learn, which is not installed"):
+        data_module._digits_table()
 
 
 def test_synthetic_shapes_seeds_and_splits():

@@ -211,11 +211,11 @@ def ddp_uses_world_group_untouched(rank, world):
 
 def train_digits(rank, world, name, params, epochs, optimizer_momentum):
     """A 2-hidden-layer MLP on scikit-learn's 8x8 digits through the DDP hook; returns test accuracy."""
-    from sklearn.datasets import load_digits
+    from gradzip.harness.data import _digits_table  # load_digits's table, without importing scikit-learn
 
-    digits = load_digits()
-    x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(digits.target)
+    table = torch.from_numpy(_digits_table())
+    x = table[:, :-1].float() / 16.0
+    y = table[:, -1].long()
     perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
     x, y = x[perm], y[perm]
     split = int(0.8 * len(x))
