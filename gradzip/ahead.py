@@ -29,6 +29,7 @@ This module sits beside :mod:`gradzip.kernels`: it imports only torch and :mod:`
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import hashlib
 import importlib
@@ -279,6 +280,8 @@ def _spawn(spec: dict, target: str) -> None:
             raise CompileFailed(status, output, raised=True, after_others=served > 0)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+        if spec.get("path"):  # what a compile that failed (raised, crashed, was killed) wrote
+            _remove_part(_part(spec["path"], scratch))
         with _SPAWN_LOCK:
             if child is not None and _CHILDREN.get(child) == scratch:  # serving on: between compiles now
                 _CHILDREN[child] = None
@@ -485,6 +488,8 @@ if hasattr(os, "register_at_fork"):
 _SERVE = "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); from gradzip import ahead; ahead._serve()"
 #: In a compiling child: the scratch directory of the compile it runs.
 _SCRATCH: list = [None]
+#: The package a child's compile writes before renaming it (:func:`_part`), while it runs.
+_PART: list = [None]
 
 
 def _serve() -> None:
@@ -508,7 +513,7 @@ def _serve() -> None:
             traceback.print_exc()
             status = 1
         finally:
-            _SCRATCH[0] = None
+            _SCRATCH[0] = _PART[0] = None
             if tmpdir is None:
                 os.environ.pop("TMPDIR", None)
             else:
@@ -544,7 +549,7 @@ def _main(spec: dict) -> None:
     dynamic = tuple({i: torch.export.Dim.AUTO for i, d in enumerate(dims) if d < 0} or None for _, _, dims in shapes)
     exported = torch.export.export(Wrapped(), _examples(spec, 0, zeros=True), dynamic_shapes=(dynamic,), strict=False)
     mins = _least_sizes(exported, shapes, spec["kernel"])
-    part = f"{spec['path'].removesuffix('.pt2')}.{socket.gethostname()}.{os.getpid()}"
+    part = _PART[0] = _part(spec["path"], _SCRATCH[0])
     options = dict(spec["options"])
     _compile_loops_at(options.pop(LOOPS_LEVEL, None))
     torch._inductor.aoti_compile_and_package(exported, package_path=part + ".pt2", inductor_configs=options)
@@ -564,6 +569,20 @@ def _main(spec: dict) -> None:
         os.fsync(meta.fileno())
     os.replace(part + ".json", spec["path"] + ".json")
     os.replace(part + ".pt2", spec["path"])
+
+
+def _part(path: str, scratch: Optional[str]) -> str:
+    """Where a compile writes its package and sidecar before renaming them to ``path``: beside it (a rename
+    within the cache is atomic), under a name of this compile's own (its host and scratch directory's),
+    which the process that asked removes however the compile ended, and a child whose parent died."""
+    own = os.path.basename(scratch) if scratch else str(os.getpid())
+    return f"{path.removesuffix('.pt2')}.{socket.gethostname()}.{own}"
+
+
+def _remove_part(part: Optional[str]) -> None:
+    for suffix in (".pt2", ".json") if part else ():
+        with contextlib.suppress(OSError):
+            os.remove(part + suffix)
 
 
 def _compile_loops_at(level: Optional[str]) -> None:
@@ -682,14 +701,15 @@ def _unpack_in_scratch() -> None:
 
 
 def _die_with_parent(parent: int) -> None:
-    """End this child, and remove the scratch directory of the compile it runs, when ``parent``, the
-    process that started it, is gone (killed, so no atexit ran there to do either; gone already while
-    the child imported torch, too)."""
+    """End this child, and remove the scratch directory and the package of the compile it runs, when
+    ``parent``, the process that started it, is gone (killed, so no atexit ran there to do either; gone
+    already while the child imported torch, too)."""
 
     def watch():
         while os.getppid() == parent:
             time.sleep(1)
         if _SCRATCH[0]:
             shutil.rmtree(_SCRATCH[0], ignore_errors=True)
+        _remove_part(_PART[0])
         os._exit(1)
     threading.Thread(target=watch, daemon=True).start()

@@ -18,13 +18,25 @@ def _say(path: str, what) -> None:
     os.replace(path + ".part", path)
 
 
+def _writes_part(spec: dict) -> None:
+    """Where the spec has a ``path``: write a package and sidecar under the compile's own name, as
+    :func:`gradzip.ahead._main` does before it checks the package and renames it."""
+    if spec.get("path"):
+        part = ahead._PART[0] = ahead._part(spec["path"], ahead._SCRATCH[0])
+        for suffix in (".pt2", ".json"):
+            with open(part + suffix, "w") as f:
+                f.write("half")
+
+
 def nothing(spec: dict) -> None:
     pass
 
 
 def unpacking(spec: dict) -> None:
     """As a compile goes for its files: unpack something into the directory TMPDIR names, as AOTInductor does
-    for every package it loads, say where, and wait to be stopped."""
+    for every package it loads, say where, and wait to be stopped; the package written first (where the spec
+    has a ``path``)."""
+    _writes_part(spec)
     ahead._unpack_in_scratch()
     unpacked = tempfile.mkdtemp(prefix="aotinductor_", dir=os.environ["TMPDIR"])
     _say(spec["said"], [os.getpid(), unpacked])
@@ -66,7 +78,9 @@ def sleeping(spec: dict) -> None:
 
 
 def exits_after_a_traceback(spec: dict) -> None:
-    """A failure printed, then more output (a warning's source line at shutdown), then exit status 1."""
+    """A failure printed, then more output (a warning's source line at shutdown), then exit status 1; the
+    package written first (where the spec has a ``path``)."""
+    _writes_part(spec)
     try:
         raise ValueError("the real reason")
     except ValueError:
@@ -76,6 +90,8 @@ def exits_after_a_traceback(spec: dict) -> None:
 
 
 def terminated(spec: dict) -> None:
-    """Stopped from outside (a job's time limit) after some output."""
+    """Stopped from outside (a job's time limit) after some output; the package written first (where the
+    spec has a ``path``)."""
+    _writes_part(spec)
     print("half", flush=True)
     os.kill(os.getpid(), signal.SIGTERM)

@@ -430,24 +430,27 @@ def test_a_process_that_exits_mid_compile_stops_its_child(tmp_path):
 
 def test_a_killed_process_leaves_no_compiling_child_nor_its_files(tmp_path):
     """A process killed (no atexit runs) while a kernel compiles: the child notices, removes the compile's
-    scratch directory with what it unpacked there, and ends."""
-    said, tmp = str(tmp_path / "said"), tmp_path / "tmp"
+    scratch directory with what it unpacked there and the package it was writing, and ends."""
+    said, tmp, cache = str(tmp_path / "said"), tmp_path / "tmp", tmp_path / "cache"
     tmp.mkdir()
+    cache.mkdir()
+    spec = {"said": said, "path": str(cache / "k.pt2")}
     script = (
         "import os, signal, sys, threading, time\n"
         "from gradzip import ahead\n"
-        f"threading.Thread(target=ahead.spawn, args=({{'said': {said!r}}}, '{TARGETS}:unpacking'), daemon=True).start()\n"
+        f"threading.Thread(target=ahead.spawn, args=({spec!r}, '{TARGETS}:unpacking'), daemon=True).start()\n"
         f"while not os.path.exists({said!r}): time.sleep(0.01)\n"
         "os.kill(os.getpid(), signal.SIGKILL)\n")
     done = subprocess.run([sys.executable, "-c", script], timeout=60, capture_output=True, text=True,
                           env=dict(os.environ, TMPDIR=str(tmp)), cwd=ROOT)
     assert done.returncode == -signal.SIGKILL, done.stderr
     child, unpacked = _said(said)
-    assert unpacked.startswith(str(tmp)) and os.path.exists(unpacked)  # or the check below could not fail
+    assert unpacked.startswith(str(tmp)) and os.path.exists(unpacked)  # or the checks below could not fail
+    assert len(os.listdir(cache)) == 2  # the package and its sidecar, under the compile's own name
     deadline = time.monotonic() + 30
-    while (_alive(child) or _left(tmp)) and time.monotonic() < deadline:
+    while (_alive(child) or _left(tmp) or os.listdir(cache)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _alive(child) and _left(tmp) == []
+    assert not _alive(child) and _left(tmp) == [] and os.listdir(cache) == []
 
 
 def _alive(pid: int) -> bool:
@@ -598,12 +601,14 @@ def test_a_timed_out_compile_is_stopped_and_recorded(monkeypatch, tmp_path, keep
 def test_a_failed_compile_names_its_exception_and_keeps_the_output(monkeypatch, tmp_path):
     """The reason is the child's exception line, not whatever it printed after (a warning's source line
     at shutdown), and the ``.failed`` file keeps the whole output; a child stopped from outside (a job's
-    time limit) records nothing, so the next process compiles again."""
+    time limit) records nothing, so the next process compiles again.  Neither leaves the package it
+    was writing in the cache."""
     path = str(tmp_path / "k.pt2")
     real = ahead.spawn
     monkeypatch.setattr(ahead, "spawn", lambda spec: real(spec, f"{TARGETS}:exits_after_a_traceback"))
     with pytest.raises(RuntimeError, match=r"\(exit status 1\): ValueError: the real reason$"):
-        ahead._compile(path, {})
+        ahead._compile(path, {"path": path})
+    assert sorted(os.listdir(tmp_path)) == ["k.pt2.failed", "k.pt2.lock"]
     with open(path + ".failed") as failed:
         reason, output = failed.readline(), failed.read()
     assert "ValueError: the real reason" in reason and "Traceback" in output and "cls.__new__" in output
@@ -613,8 +618,9 @@ def test_a_failed_compile_names_its_exception_and_keeps_the_output(monkeypatch, 
     other = str(tmp_path / "stopped.pt2")
     monkeypatch.setattr(ahead, "spawn", lambda spec: real(spec, f"{TARGETS}:terminated"))
     with pytest.raises(RuntimeError, match=r"killed by SIGTERM\): half"):
-        ahead._compile(other, {})
+        ahead._compile(other, {"path": other})
     assert not os.path.exists(other + ".failed") and ahead._meta(other) is None
+    assert sorted(os.listdir(tmp_path)) == ["k.pt2.failed", "k.pt2.lock", "stopped.pt2.lock"]
 
 
 def test_a_callers_dispatch_mode_gets_the_reference_path(monkeypatch):
