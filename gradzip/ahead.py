@@ -31,6 +31,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import glob
 import hashlib
 import importlib
 import json
@@ -181,6 +182,7 @@ def _compile(path: str, spec: dict) -> None:
         _lock(lock)  # one compiles, the others wait here; the system releases it if its holder dies
         if _meta(path) is not None:
             return
+        _remove_parts_left(path)
         try:
             spawn(spec)
         except RuntimeError as exc:
@@ -202,6 +204,8 @@ def _lock(file) -> None:
 
 #: The compiling children, each with the scratch directory of the compile it runs (None between compiles).
 _CHILDREN: dict = {}
+#: A running compile's scratch directory, and where it writes its package before renaming it (:func:`_part`).
+_WRITING: dict = {}
 _SPAWN_LOCK = threading.Lock()
 #: What a compile runs in the child: a test names a function of its own.
 COMPILE = "gradzip.ahead:_main"
@@ -254,6 +258,7 @@ def _spawn(spec: dict, target: str) -> None:
                 raise RuntimeError("the process is exiting")
             child = _child(started, environment)
             _CHILDREN[child] = scratch
+            _WRITING[scratch] = _part(spec["path"], scratch) if spec.get("path") else None
         served, timed_out = _THREAD.served, threading.Event()
 
         def stop():
@@ -280,9 +285,8 @@ def _spawn(spec: dict, target: str) -> None:
             raise CompileFailed(status, output, raised=True, after_others=served > 0)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-        if spec.get("path"):  # what a compile that failed (raised, crashed, was killed) wrote
-            _remove_part(_part(spec["path"], scratch))
         with _SPAWN_LOCK:
+            _remove_part(_WRITING.pop(scratch, None))  # what a failed compile (raised, crashed, killed) wrote
             if child is not None and _CHILDREN.get(child) == scratch:  # serving on: between compiles now
                 _CHILDREN[child] = None
 
@@ -455,6 +459,7 @@ def _exit() -> None:
                 continue
             if scratch is not None:
                 shutil.rmtree(scratch, ignore_errors=True)
+                _remove_part(_WRITING.get(scratch))
     _unload_all()
 
 
@@ -472,6 +477,7 @@ def _forked() -> None:
     _SPAWN_LOCK = threading.Lock()
     _THREAD = threading.local()
     _CHILDREN.clear()
+    _WRITING.clear()
     _LOADED.clear()
     _JOBS.clear()  # a job of the copy's own starts threads of its own
 
@@ -573,8 +579,10 @@ def _main(spec: dict) -> None:
 
 def _part(path: str, scratch: Optional[str]) -> str:
     """Where a compile writes its package and sidecar before renaming them to ``path``: beside it (a rename
-    within the cache is atomic), under a name of this compile's own (its host and scratch directory's),
-    which the process that asked removes however the compile ended, and a child whose parent died."""
+    within the cache is atomic), under a name of this compile's own (its host and scratch directory's).
+    Should the compile fail, the process that asked removes them (as the compile ends, or as that process
+    exits); should that process die, its child does; should both die, the next compile of the package on
+    this host does (:func:`_remove_parts_left`)."""
     own = os.path.basename(scratch) if scratch else str(os.getpid())
     return f"{path.removesuffix('.pt2')}.{socket.gethostname()}.{own}"
 
@@ -583,6 +591,16 @@ def _remove_part(part: Optional[str]) -> None:
     for suffix in (".pt2", ".json") if part else ():
         with contextlib.suppress(OSError):
             os.remove(part + suffix)
+
+
+def _remove_parts_left(path: str) -> None:
+    """Remove what compiles of ``path`` on this host left (a process killed with its child): called under
+    the package's lock, while no compile of it runs here."""
+    left = f"{glob.escape(path.removesuffix('.pt2'))}.{glob.escape(socket.gethostname())}.*"
+    for part in glob.glob(left):
+        if part.endswith((".pt2", ".json")):
+            with contextlib.suppress(OSError):
+                os.remove(part)
 
 
 def _compile_loops_at(level: Optional[str]) -> None:
@@ -701,8 +719,8 @@ def _unpack_in_scratch() -> None:
 
 
 def _die_with_parent(parent: int) -> None:
-    """End this child, and remove the scratch directory and the package of the compile it runs, when
-    ``parent``, the process that started it, is gone (killed, so no atexit ran there to do either; gone
+    """End this child, and remove the scratch directory of the compile it runs and the package it was
+    writing, when ``parent``, the process that started it, is gone (killed, so no atexit ran there to do either; gone
     already while the child imported torch, too)."""
 
     def watch():

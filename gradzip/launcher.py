@@ -30,16 +30,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-#: Environment variables read once, as the interpreter starts or torch and its libraries load: the fork
-#: server has them as they were when it started, so a worker whose caller has changed one since is
-#: spawned instead.  Not those torch sets itself as it runs (KMP_*, TORCHINDUCTOR_CACHE_DIR).
+#: Environment variables read once, as the interpreter starts or torch and its libraries load (TorchDynamo's
+#: and Inductor's configuration included): the fork server has them as they were when it started, so a
+#: worker whose caller has changed one since is spawned instead.
 _READ_AT_START = ("PYTHON", "LD_", "OMP_", "GOMP_", "MKL_", "TORCH_LOGS", "TORCH_DISTRIBUTED_DEBUG",
-                  "TORCH_CPP_LOG_LEVEL", "TORCH_SHOW_CPP_STACKTRACES")
+                  "TORCH_CPP_LOG_LEVEL", "TORCH_SHOW_CPP_STACKTRACES", "TORCHDYNAMO_", "TORCH_DYNAMO_",
+                  "TORCH_COMPILE", "TORCHINDUCTOR_", "INDUCTOR_", "TORCH_CACHING_PRECOMPILE", "TORCH_FAKE_TENSOR",
+                  "TORCH_STRICT_PRECOMPILE")
+#: But not those torch sets itself as it runs (and KMP_*, which no prefix above takes).
+_SET_AS_TORCH_RUNS = ("TORCHINDUCTOR_CACHE_DIR",)
 _SERVER_ENVIRONMENT: dict = {}
 
 
 def _read_at_start() -> dict:
-    return {k: v for k, v in os.environ.items() if k.startswith(_READ_AT_START)}
+    return {k: v for k, v in os.environ.items() if k.startswith(_READ_AT_START) and k not in _SET_AS_TORCH_RUNS}
 
 
 def worker_context():
@@ -60,9 +64,9 @@ def worker_context():
     if _SERVER_ENVIRONMENT.setdefault("started", now) != now:
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    # torch._dynamo too: PyTorch's optimizers import it as they are built (their __init__ is wrapped by
-    # torch._disable_dynamo), 2-3 s of a core in every worker that builds one.  A server already running
-    # keeps what it has.
+    # torch._dynamo too: PyTorch's optimizers import it as they are built (add_param_group is wrapped by
+    # torch._disable_dynamo, which imports it at its first call), 2-3 s of a core in every worker that
+    # builds one.  A server already running keeps what it has.
     ctx.set_forkserver_preload(["torch", "torch._dynamo", "gradzip"])
     return ctx
 

@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -404,14 +405,14 @@ def _left(tmp) -> list:
 def test_a_process_that_exits_mid_compile_stops_its_child(tmp_path):
     """A user's script that ends while its kernel compiles: the child is stopped (and the lock, released
     with the process, is free for the next run), no failure is recorded for it, and nothing it unpacked
-    is left in the temporary directory."""
+    is left in the temporary directory, nor the package it was writing in the cache."""
     path, said, tmp = str(tmp_path / "k.pt2"), str(tmp_path / "said"), tmp_path / "tmp"
     tmp.mkdir()
     script = (
         "import os, sys, threading, time\n"
         "from gradzip import ahead\n"
         "spawn = ahead.spawn\n"
-        f"ahead.spawn = lambda spec: spawn({{'said': {said!r}}}, '{TARGETS}:unpacking')\n"
+        f"ahead.spawn = lambda spec: spawn({{'said': {said!r}, 'path': sys.argv[1]}}, '{TARGETS}:unpacking')\n"
         "threading.Thread(target=ahead._compile, args=(sys.argv[1], {}), daemon=True).start()\n"
         f"while not os.path.exists({said!r}): time.sleep(0.01)\n"
         "print(next(iter(ahead._CHILDREN)).pid, flush=True)\n")
@@ -423,6 +424,7 @@ def test_a_process_that_exits_mid_compile_stops_its_child(tmp_path):
     time.sleep(0.2)
     assert pid == child and not _alive(child) and not os.path.exists(path + ".failed")
     assert unpacked.startswith(str(tmp)) and _left(tmp) == []
+    assert sorted(os.listdir(tmp_path)) == ["k.pt2.lock", "said", "tmp"]
     with open(path + ".lock", "a") as lock:
         import fcntl
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free: raises if still held
@@ -436,21 +438,37 @@ def test_a_killed_process_leaves_no_compiling_child_nor_its_files(tmp_path):
     cache.mkdir()
     spec = {"said": said, "path": str(cache / "k.pt2")}
     script = (
-        "import os, signal, sys, threading, time\n"
+        "import json, os, signal, sys, threading, time\n"
         "from gradzip import ahead\n"
         f"threading.Thread(target=ahead.spawn, args=({spec!r}, '{TARGETS}:unpacking'), daemon=True).start()\n"
         f"while not os.path.exists({said!r}): time.sleep(0.01)\n"
+        f"print(json.dumps([os.path.exists(json.load(open({said!r}))[1]), os.listdir({str(cache)!r})]), flush=True)\n"
         "os.kill(os.getpid(), signal.SIGKILL)\n")
     done = subprocess.run([sys.executable, "-c", script], timeout=60, capture_output=True, text=True,
                           env=dict(os.environ, TMPDIR=str(tmp)), cwd=ROOT)
     assert done.returncode == -signal.SIGKILL, done.stderr
     child, unpacked = _said(said)
-    assert unpacked.startswith(str(tmp)) and os.path.exists(unpacked)  # or the checks below could not fail
-    assert len(os.listdir(cache)) == 2  # the package and its sidecar, under the compile's own name
+    existed, written = json.loads(done.stdout)  # as the parent was killed: or the checks below could not fail
+    assert unpacked.startswith(str(tmp)) and existed
+    assert len(written) == 2  # the package and its sidecar, under the compile's own name
     deadline = time.monotonic() + 30
     while (_alive(child) or _left(tmp) or os.listdir(cache)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(child) and _left(tmp) == [] and os.listdir(cache) == []
+
+
+def test_a_compile_first_removes_what_this_hosts_dead_compiles_of_its_package_left(monkeypatch, tmp_path):
+    """A process killed with its compiling child leaves the package that child was writing: the next
+    compile of that package on the host removes it (under the package's lock), not another host's."""
+    path, host = str(tmp_path / "k.pt2"), socket.gethostname()
+    left = [f"k.{host}.4242.pt2", f"k.{host}.gradzip-compile-x1.pt2", f"k.{host}.gradzip-compile-x1.json"]
+    kept = ["k.elsewhere.4242.pt2", "other.pt2", f"other.{host}.1.pt2"]
+    for name in left + kept:
+        (tmp_path / name).write_text("half")
+    compiled = []
+    monkeypatch.setattr(ahead, "spawn", lambda spec: compiled.append(sorted(os.listdir(tmp_path))))
+    ahead._compile(path, {"path": path})
+    assert compiled == [sorted(kept + ["k.pt2.lock"])]
 
 
 def _alive(pid: int) -> bool:

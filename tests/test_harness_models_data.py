@@ -2,6 +2,7 @@
 
 The full Fashion-MNIST test runs only where the Debian package dataset-fashion-mnist is installed.
 """
+import builtins
 import gzip
 import pickle
 import sys
@@ -398,18 +399,24 @@ def test_digits_split():
 
 
 def test_digits_are_load_digits_read_without_importing_scikit_learn(monkeypatch):
-    """The table is scikit-learn's own, read from its file (no sklearn import: seconds in every worker);
-    where the file is not found, load_digits gives the same."""
+    """The table is scikit-learn's own, read from its file without importing scikit-learn (seconds of a
+    core in every worker); where the file is not found, load_digits gives the same table."""
     sklearn_datasets = pytest.importorskip("sklearn.datasets")
     bunch = sklearn_datasets.load_digits()
     want = np.concatenate([bunch.data, bunch.target[:, None]], axis=1)
+    imported, real_import = [], __import__
+
+    def watched(name, *args, **kwargs):
+        if name.partition(".")[0] == "sklearn":
+            imported.append(name)
+        return real_import(name, *args, **kwargs)
     with monkeypatch.context() as m:
-        m.setitem(sys.modules, "sklearn", None)  # importing it now raises ImportError
-        assert np.array_equal(data_module._digits_table(), want)
-    m = monkeypatch
-    m.setattr(data_module.importlib.util, "find_spec", lambda name: None)
+        m.setattr(builtins, "__import__", watched)
+        table = data_module._digits_table()
+    assert imported == [] and table.dtype == np.float64 and np.array_equal(table, want)
+    monkeypatch.setattr(data_module.importlib.util, "find_spec", lambda name: None)  # the file is not found
     assert np.array_equal(data_module._digits_table(), want)
-    m.setitem(sys.modules, "sklearn.datasets", None)
+    monkeypatch.setitem(sys.modules, "sklearn.datasets", None)  # and scikit-learn is not installed
     with pytest.raises(DataNotFoundError, match="ships with scikit-learn, which is not installed"):
         data_module._digits_table()
 

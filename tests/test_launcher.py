@@ -35,6 +35,17 @@ def test_a_worker_whose_caller_changed_what_torch_reads_at_import_is_spawned(mon
     assert spawned == os.getpid() and again == server != os.getpid()
 
 
+def test_what_torchdynamo_and_inductor_read_at_import_counts_as_read_at_start(monkeypatch):
+    """The server imports TorchDynamo (and with it Inductor's configuration), which read these as they load;
+    Inductor's cache directory, which torch sets itself as it compiles, does not count."""
+    from gradzip import launcher
+    for name in ("TORCH_COMPILE_DISABLE", "TORCHDYNAMO_VERBOSE", "TORCHINDUCTOR_MAX_AUTOTUNE", "TORCH_LOGS"):
+        monkeypatch.setenv(name, "1")
+        assert launcher._read_at_start()[name] == "1", name
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/nowhere")
+    assert "TORCHINDUCTOR_CACHE_DIR" not in launcher._read_at_start()
+
+
 def test_a_workers_exit_handlers_run(tmp_path):
     run_workers(workers.leaves_a_file_at_exit, 2, str(tmp_path))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exit0", "exit1"]
