@@ -179,10 +179,11 @@ def _meta(path: str) -> Optional[dict]:
 def _compile(path: str, spec: dict) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".lock", "a") as lock:
-        _lock(lock)  # one compiles, the others wait here; the system releases it if its holder dies
+        locked = _lock(lock)  # one compiles, the others wait here; the system releases it if its holder dies
         if _meta(path) is not None:
             return
-        _remove_parts_left(path)
+        if locked:  # else another process may be compiling it beside this one
+            _remove_parts_left(path)
         try:
             spawn(spec)
         except RuntimeError as exc:
@@ -194,12 +195,13 @@ def _compile(path: str, spec: dict) -> None:
             raise
 
 
-def _lock(file) -> None:
+def _lock(file) -> bool:
     try:
         import fcntl
     except ImportError:  # no POSIX locks: ranks may compile the same package side by side
-        return
+        return False
     fcntl.flock(file, fcntl.LOCK_EX)
+    return True
 
 
 #: The compiling children, each with the scratch directory of the compile it runs (None between compiles).
@@ -284,9 +286,9 @@ def _spawn(spec: dict, target: str) -> None:
         if status:
             raise CompileFailed(status, output, raised=True, after_others=served > 0)
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
         with _SPAWN_LOCK:
             _remove_part(_WRITING.pop(scratch, None))  # what a failed compile (raised, crashed, killed) wrote
+            shutil.rmtree(scratch, ignore_errors=True)  # its name is free for another compile's from now on
             if child is not None and _CHILDREN.get(child) == scratch:  # serving on: between compiles now
                 _CHILDREN[child] = None
 
@@ -445,8 +447,8 @@ def settle(timeout: Optional[float] = None) -> bool:
 @atexit.register
 def _exit() -> None:
     """A queued job is not started, every compiling child is killed (and the scratch directory of a
-    compile it ran removed, once it is dead: at most 5 s a child), and every package loaded is unloaded
-    (and one that a job loads from now on, at once)."""
+    compile it ran removed, with the package it was writing, once it is dead: at most 5 s a child), and
+    every package loaded is unloaded (and one that a job loads from now on, at once)."""
     with _SPAWN_LOCK:
         _EXITING.set()
         children = list(_CHILDREN.items())
@@ -595,10 +597,13 @@ def _remove_part(part: Optional[str]) -> None:
 
 def _remove_parts_left(path: str) -> None:
     """Remove what compiles of ``path`` on this host left (a process killed with its child): called under
-    the package's lock, while no compile of it runs here."""
-    left = f"{glob.escape(path.removesuffix('.pt2'))}.{glob.escape(socket.gethostname())}.*"
-    for part in glob.glob(left):
-        if part.endswith((".pt2", ".json")):
+    the package's lock, so no compile of it runs here but a killed process's child in the second it
+    takes to notice (it is ending; its rename would put a checked package in place).  Not another host's
+    whose name extends this one's (``node1.cluster`` beside ``node1``): a compile's own part has no dot."""
+    base, host = path.removesuffix(".pt2"), socket.gethostname()
+    own = re.compile(re.escape(f"{base}.{host}.") + r"[^./]+\.(pt2|json)")
+    for part in glob.glob(f"{glob.escape(base)}.{glob.escape(host)}.*"):
+        if own.fullmatch(part):
             with contextlib.suppress(OSError):
                 os.remove(part)
 

@@ -459,16 +459,20 @@ def test_a_killed_process_leaves_no_compiling_child_nor_its_files(tmp_path):
 
 def test_a_compile_first_removes_what_this_hosts_dead_compiles_of_its_package_left(monkeypatch, tmp_path):
     """A process killed with its compiling child leaves the package that child was writing: the next
-    compile of that package on the host removes it (under the package's lock), not another host's."""
+    compile of that package on the host removes it (under the package's lock; without one, it cannot
+    tell a dead compile from another process's), not another host's."""
     path, host = str(tmp_path / "k.pt2"), socket.gethostname()
     left = [f"k.{host}.4242.pt2", f"k.{host}.gradzip-compile-x1.pt2", f"k.{host}.gradzip-compile-x1.json"]
-    kept = ["k.elsewhere.4242.pt2", "other.pt2", f"other.{host}.1.pt2"]
+    kept = ["k.elsewhere.4242.pt2", f"k.{host}.cluster.gradzip-compile-x2.pt2", "other.pt2", f"other.{host}.1.pt2"]
     for name in left + kept:
         (tmp_path / name).write_text("half")
     compiled = []
     monkeypatch.setattr(ahead, "spawn", lambda spec: compiled.append(sorted(os.listdir(tmp_path))))
+    with monkeypatch.context() as m:
+        m.setattr(ahead, "_lock", lambda file: False)  # no POSIX locks: another may be compiling it
+        ahead._compile(path, {"path": path})
     ahead._compile(path, {"path": path})
-    assert compiled == [sorted(kept + ["k.pt2.lock"])]
+    assert compiled == [sorted(left + kept + ["k.pt2.lock"]), sorted(kept + ["k.pt2.lock"])]
 
 
 def _alive(pid: int) -> bool:
