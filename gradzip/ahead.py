@@ -31,7 +31,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
-import glob
 import hashlib
 import importlib
 import json
@@ -600,12 +599,11 @@ def _remove_parts_left(path: str) -> None:
     the package's lock, so no compile of it runs here but a killed process's child in the second it
     takes to notice (it is ending; its rename would put a checked package in place).  Not another host's
     whose name extends this one's (``node1.cluster`` beside ``node1``): a compile's own part has no dot."""
-    base, host = path.removesuffix(".pt2"), socket.gethostname()
-    own = re.compile(re.escape(f"{base}.{host}.") + r"[^./]+\.(pt2|json)")
-    for part in glob.glob(f"{glob.escape(base)}.{glob.escape(host)}.*"):
-        if own.fullmatch(part):
-            with contextlib.suppress(OSError):
-                os.remove(part)
+    directory, base = os.path.split(path.removesuffix(".pt2"))
+    own = re.compile(re.escape(f"{base}.{socket.gethostname()}.") + r"[^./]+(?=\.(?:pt2|json)$)")
+    for name in os.listdir(directory):
+        if part := own.match(name):
+            _remove_part(os.path.join(directory, part.group()))
 
 
 def _compile_loops_at(level: Optional[str]) -> None:
@@ -725,8 +723,8 @@ def _unpack_in_scratch() -> None:
 
 def _die_with_parent(parent: int) -> None:
     """End this child, and remove the scratch directory of the compile it runs and the package it was
-    writing, when ``parent``, the process that started it, is gone (killed, so no atexit ran there to do either; gone
-    already while the child imported torch, too)."""
+    writing, when ``parent``, the process that started it, is gone (killed, so no atexit ran there to do
+    either; gone already while the child imported torch, too)."""
 
     def watch():
         while os.getppid() == parent:
