@@ -170,10 +170,14 @@ def test_state_made_before_the_process_group_resumes_bit_for_bit(tmp_path):
 
 
 def test_register_refuses_models_that_are_not_ddp():
-    with pytest.raises(ValueError, match="DistributedDataParallel model, got Linear.*FSDP.*HF Trainer.*"
+    with pytest.raises(ValueError, match=r"DistributedDataParallel model \(or torch.compile of one\), got Linear"
+                       ".*FSDP.*HF Trainer.*"
                        r"gradzip.integrations.transformers.register\(trainer.*gradzip.DistributedOptimizer") as err:
         gradzip.register(nn.Linear(2, 2), "topk")
     assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match=r"DistributedDataParallel model \(or torch.compile of one\), got "
+                       "torch.compile of Linear;"):
+        gradzip.register(torch.compile(nn.Linear(2, 2)), "topk")
 
 
 def test_hook_refuses_a_state_that_is_not_gradzips():

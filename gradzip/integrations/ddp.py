@@ -60,11 +60,14 @@ def register(ddp_model: DistributedDataParallel, compressor="none", *, group: "O
     Under ``torch.amp.GradScaler`` pass ``grad_scaler=scaler`` (a :class:`GradzipState` argument, as are
     the other keywords besides the compressor's parameters): the hook sees scaled gradients.
     """
+    given = ddp_model
+    while not isinstance(ddp_model, DistributedDataParallel) and hasattr(ddp_model, "_orig_mod"):
+        ddp_model = ddp_model._orig_mod  # torch.compile(DDP(model)): the hook belongs to the DDP inside
     if not isinstance(ddp_model, DistributedDataParallel):
         raise ValueError(
-            f"gradzip.register() needs a torch.nn.parallel.DistributedDataParallel model, got "
-            f"{type(ddp_model).__name__}; gradzip compresses DDP's gradient allreduce (FSDP and FSDP2 "
-            "shard gradients with reduce-scatter, which it does not support); with HF Trainer (whose "
+            f"gradzip.register() needs a torch.nn.parallel.DistributedDataParallel model (or torch.compile "
+            f"of one), got {'torch.compile of ' if given is not ddp_model else ''}{type(ddp_model).__name__}; "
+            "gradzip compresses DDP's gradient allreduce (FSDP and FSDP2 shard gradients with reduce-scatter, which it does not support); with HF Trainer (whose "
             "callbacks get the unwrapped model) use gradzip.integrations.transformers.register(trainer, "
             "method, ...); without DDP, wrap the optimizer in gradzip.DistributedOptimizer")
     hooks = getattr(ddp_model, "_comm_hooks", None)

@@ -40,6 +40,15 @@ def test_tutorial_script(method, tmp_path):
     check_tutorial_run(method, tmp_path, launch_tutorial(method, tmp_path))
 
 
+def test_tutorial_script_registering_the_compiled_ddp_model(tmp_path):
+    """``gradzip.register(torch.compile(DDP(model)), ...)``: the hook goes on the DDP inside, and DDP's
+    buckets go through it (compiling after ``register`` runs in test_gpt_features' launches)."""
+    check_tutorial_run("topk", tmp_path, launch_tutorial("topk", tmp_path, "--compile", "before-register"))
+    for r in range(2):
+        stats = torch.load(tmp_path / f"rank{r}.pt", weights_only=True)["stats"]
+        assert stats["plain_allreduces"] == 0 and stats["density"] < 0.5, f"rank {r}: not Top-k's exchange: {stats}"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
 def test_tutorial_script_50_times_without_an_abort(method, tmp_path):

@@ -2,7 +2,8 @@
 
     torchrun --nproc-per-node 2 ddp_tutorial.py --method powersgd --param rank=2 --out DIR
 
-ToyModel, SGD, a few steps on random data, ``dist.destroy_process_group()``, return: nothing else.
+ToyModel, SGD, a few steps on random data, ``dist.destroy_process_group()``, return: nothing else
+(``--compile``: the DDP model is ``torch.compile``d, before or after ``gradzip.register``).
 For the test, each rank saves its initial and final parameters, losses and gradzip's stats to
 DIR/rank<r>.pt before tearing down.
 """
@@ -38,7 +39,11 @@ def demo_basic(args):
     # create model and move it to the device
     model = ToyModel().to(device)
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if args.compile == "before-register":
+        ddp_model = torch.compile(ddp_model)
     state = gradzip.register(ddp_model, args.method, **args.params)
+    if args.compile == "after-register":
+        ddp_model = torch.compile(ddp_model)
     initial = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
     loss_fn = nn.MSELoss()
@@ -66,6 +71,8 @@ def parse_args():
     parser.add_argument("--param", action="append", default=[], metavar="NAME=VALUE")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--compile", choices=["no", "before-register", "after-register"], default="no",
+                        help="torch.compile the DDP model, before or after gradzip.register")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     args.params = {k: ast.literal_eval(v) for k, v in (p.split("=", 1) for p in args.param)}
