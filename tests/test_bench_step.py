@@ -103,6 +103,7 @@ def test_bad_options_are_refused(kwargs, message):
 @pytest.mark.parametrize("names, message", [(["torch-fp16:rank=4"], "only gradzip's methods take parameters"),
                                             (["powersgd:nosuch=1"], "unknown parameter"),
                                             (["powersgd:rank"], "expected NAME:KEY=VALUE"),
+                                            (["topk:bucketed=maybe"], "bucketed must be true, false or none"),
                                             (["ddp", "topk", "ddp"], "named twice")])
 def test_bad_contenders_are_refused_before_any_run(names, message):
     with pytest.raises(ValueError, match=message):
@@ -117,10 +118,14 @@ def test_methods_with_parameters_of_their_own(tmp_path):
     out = tmp_path / "specs.json"
     ok = CliRunner().invoke(app, ["bench", "step", "--device", "cpu", "--width", "32", "--depth", "1", "--context",
                                   "16", "--steps", "1", "--warmup", "2", "--no-isolate", "--json", str(out),
-                                  "--methods", "torch-powersgd,powersgd,powersgd:rank=1,dense_steps=1,topk"])
+                                  "--methods", "torch-powersgd,powersgd,powersgd:rank=1,dense_steps=1,topk,"
+                                  "topk:bucketed=true"])
     assert ok.exit_code == 0, ok.output
     rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
-    assert list(rows) == ["torch-powersgd", "powersgd", "powersgd:rank=1,dense_steps=1", "topk"]
+    assert list(rows) == ["torch-powersgd", "powersgd", "powersgd:rank=1,dense_steps=1", "topk", "topk:bucketed=true"]
+    # the route is the state's key: the bucket route's operations do not grow with the bucket's tensors
+    assert rows["topk:bucketed=true"]["note"] == "bucketed=True"
+    assert rows["topk:bucketed=true"]["aten_ops"] < rows["topk"]["aten_ops"] / 2
     assert rows["powersgd"]["note"] == "dense_steps=0"  # BENCH_PARAMS alone
     one = rows["powersgd:rank=1,dense_steps=1"]
     assert one["note"] == "dense_steps=1,rank=1"

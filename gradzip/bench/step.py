@@ -16,7 +16,8 @@ below), from the same seed:
 - every gradzip method, ``gradzip.register(ddp_model, name)`` with :data:`BENCH_PARAMS` (DGC and
   PowerSGD compress from the first step), or a method with parameters of its own as ``NAME:KEY=VALUE,...``
   (``powersgd:rank=4``: PyTorch's hook's rank; they override :data:`BENCH_PARAMS`, and the spec names
-  its row).  Methods that apply momentum themselves (DGC, Signum) refuse AdamW and get plain SGD
+  its row); ``bucketed=true|false`` picks the route (default: the bucket route on CUDA, per tensor on
+  a CPU).  Methods that apply momentum themselves (DGC, Signum) refuse AdamW and get plain SGD
   instead (the row says so).  A gradzip PowerSGD row also gives its ratio to ``torch-powersgd`` of the
   same repeat (``x_torch_powersgd``), whose rank the note names.
 
@@ -79,7 +80,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradzip
 from .. import kernels
-from ..compressors.registry import parse_spec
+from ..compressors.registry import parse_spec, parse_value
 from ..harness.data import DatasetInfo
 from ..harness.models import GPT
 from .kernels import BENCH_PARAMS, machine, report
@@ -114,10 +115,22 @@ def split_methods(text: str) -> list:
     return names
 
 
+#: Contender keys that are the state's, not the compressor's (``topk:bucketed=true``: Top-k on the bucket
+#: route on a CPU too, beside ``topk`` on the default route).
+STATE_KEYS = ("bucketed",)
+
+
 def _spec(name: str) -> tuple:
     """(method, parameters) of gradzip contender ``name``: :data:`BENCH_PARAMS` updated by its own."""
-    method, own = parse_spec(name)
-    return method, {**BENCH_PARAMS.get(method, {}), **own}
+    method, _, rest = name.partition(":")
+    items = [item for item in (part.strip() for part in rest.split(",")) if item]
+    state = {key.strip(): parse_value(raw) for key, _, raw in (item.partition("=") for item in items)
+             if key.strip() in STATE_KEYS}
+    compressor = [item for item in items if item.partition("=")[0].strip() not in STATE_KEYS]
+    method, own = parse_spec(method + (":" + ",".join(compressor) if compressor else ""))
+    if state.get("bucketed", True) not in (None, True, False):
+        raise ValueError(f"bucketed must be true, false or none in {name!r}, got {state['bucketed']!r}")
+    return method, {**BENCH_PARAMS.get(method, {}), **own, **state}
 
 
 def defaults(device: str) -> dict:
