@@ -60,3 +60,13 @@ def test_accelerate_with_accumulation(accelerate_runs):
 def test_accelerate_resumed_state_equals_uninterrupted(accelerate_runs):
     whole, resumed = accelerate_runs
     resumed.assert_same_params(whole)
+
+
+def test_accelerate_with_a_dynamo_backend(chars, tmp_path):
+    """``Accelerator(dynamo_backend=...)``: ``prepare`` returns ``torch.compile`` of the DDP model, which
+    ``gradzip.register`` takes as it is (the eager backend: Dynamo's graphs split at DDP's buckets, no
+    compiler run)."""
+    pytest.importorskip("accelerate")
+    (tmp_path / "whole").mkdir()
+    run("accelerate_gpt.py", tmp_path / "whole", "--method", "topk", "--dynamo-backend", "eager")
+    check_topk_run(load_result(tmp_path / "whole", "accelerate"))

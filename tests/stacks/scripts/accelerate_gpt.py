@@ -4,6 +4,7 @@ registered on the DDP model that ``accelerator.prepare`` returns, gradient accum
 gradzip's state (``gradzip.integrations.accelerate.checkpoint(accelerator, state)``: one file per rank).
 
     torchrun --nproc-per-node 2 accelerate_gpt.py --out DIR --method topk [--save CKPT | --resume CKPT]
+        [--dynamo-backend eager|inductor]
 
 With ``--save`` it saves the state after epoch 0 and trains on; with ``--resume`` it loads that state
 and trains epoch 1 only.  Each rank writes its final parameters, losses and gradzip's stats to
@@ -29,10 +30,13 @@ def main():
     parser.add_argument("--save")
     parser.add_argument("--resume")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dynamo-backend", default="no",
+                        help="Accelerate's dynamo_backend: prepare then returns torch.compile of the DDP model")
     args = parser.parse_args()
     params = {k: ast.literal_eval(v) for k, v in (p.split("=", 1) for p in args.param)}
 
-    accelerator = Accelerator(cpu=args.device == "cpu", gradient_accumulation_steps=2)
+    accelerator = Accelerator(cpu=args.device == "cpu", gradient_accumulation_steps=2,
+                              dynamo_backend=args.dynamo_backend)
     train_set, held_out, info = data(accelerator.num_processes, accelerator.device)
     model = new_model(info)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
