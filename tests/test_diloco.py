@@ -125,6 +125,29 @@ def scenario_ddp_refused(rank, world, tmp):
     return None
 
 
+def scenario_compiled(rank, world, tmp):
+    """DiLoCo of ``torch.compile(model)``: its state names the model's own parameters, so a checkpoint
+    loads into a run of the model uncompiled; a compiled DDP model is refused as DDP is."""
+    model = _model()
+    compiled = torch.compile(model, backend="eager")
+    opt = torch.optim.SGD(compiled.parameters(), lr=0.1)
+    outer = gradzip.DiLoCo(compiled, opt, sync_every=2, compressor="topk", ratio=0.1, outer_momentum=0.0)
+    for step in range(2):
+        _inner_step(model, opt, rank, step)  # the same parameters: no graph to trace in this test
+        outer.step()
+    saved = outer.state_dict()
+    plain = gradzip.DiLoCo(model, opt, sync_every=2, compressor="topk", ratio=0.1, outer_momentum=0.0)
+    plain.load_state_dict(saved)
+    ddp = torch.compile(nn.parallel.DistributedDataParallel(_model()), backend="eager")
+    try:
+        gradzip.DiLoCo(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), sync_every=2)
+        refused = None
+    except ValueError as exc:
+        refused = str(exc)
+    return {"theta": list(saved["theta"]), "names": [n for n, _ in model.named_parameters()],
+            "syncs": outer.stats()["syncs"], "refused": refused}
+
+
 def scenario_buffers(rank, world, tmp):
     """Buffers (float and bool) come from rank 0 too."""
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
@@ -198,7 +221,7 @@ def _finish(model, opt, outer, rank, before):
     return {"params": _flat(model), "stats": outer.stats()["fragment_syncs"]}
 
 
-SCENARIOS = ["methods", "averaging", "fragments", "overlap", "ddp_refused", "buffers", "checkpoint"]
+SCENARIOS = ["methods", "averaging", "fragments", "overlap", "ddp_refused", "compiled", "buffers", "checkpoint"]
 
 
 def _scenarios(rank, world, tmp):
@@ -317,6 +340,12 @@ def test_fragments_sync_at_staggered_steps(ranks):
 def test_ddp_wrapper_is_refused_with_a_pointer_to_module(ranks):
     msg = _result(ranks, "ddp_refused")[0]
     assert msg is not None and "ddp_model.module" in msg and "\n" not in msg
+
+
+def test_a_compiled_model_keeps_its_own_parameter_names(ranks):
+    for result in _result(ranks, "compiled"):
+        assert result["theta"] == result["names"] and result["syncs"] == 1, result
+        assert result["refused"] is not None and "ddp_model.module" in result["refused"], result["refused"]
 
 
 def test_buffers_are_broadcast_from_rank_0_at_construction(ranks):

@@ -173,6 +173,29 @@ def test_what_ddp_delivers_plus_what_is_owed_is_every_gradient_with_unused_param
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("compiled", ["inside", "outside"])
+def test_a_compiled_model_keeps_its_own_parameter_names(tmp_path, compiled):
+    """``DDP(torch.compile(model))`` and ``torch.compile(DDP(model))``: the state is keyed by the model's
+    own parameter names, so a checkpoint does not depend on compiling; the exchange is gradzip's."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = _model()
+        if compiled == "inside":
+            ddp = net = nn.parallel.DistributedDataParallel(torch.compile(model, backend="eager"))
+        else:
+            ddp = nn.parallel.DistributedDataParallel(model)
+            net = torch.compile(ddp, backend="eager")
+        with gradzip.register(net, "topk", ratio=0.3) as state:
+            assert ddp._comm_hooks, "no hook on the DDP model"
+            x, y = workers.batch(0, 0)
+            nn.functional.cross_entropy(net(x), y).backward()
+            assert state.stats()["exchanges"] > 0 and state.stats()["plain_allreduces"] == 0
+            assert sorted(state.state_dict()["tensors"]) == sorted(n for n, _ in model.named_parameters())
+    finally:
+        dist.destroy_process_group()
+
+
 def test_optimizer_rejects_bad_arguments():
     model = _model()
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)

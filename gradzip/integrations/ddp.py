@@ -32,9 +32,17 @@ from .. import collectives, devices
 from ..state import GradzipState
 from .momentum_guard import guard_momentum
 
-__all__ = ["register", "ddp_comm_hook"]
+__all__ = ["register", "ddp_comm_hook", "uncompiled"]
 
 _log = logging.getLogger(__name__)
+
+
+def uncompiled(module: torch.nn.Module) -> torch.nn.Module:
+    """The module ``torch.compile`` wrapped (its ``OptimizedModule``'s ``_orig_mod``), or ``module`` itself:
+    the same parameters, under the names the uncompiled model gives them."""
+    while isinstance(module, torch.nn.Module) and hasattr(module, "_orig_mod"):
+        module = module._orig_mod
+    return module
 
 
 def register(ddp_model: DistributedDataParallel, compressor="none", *, group: "Optional[dist.ProcessGroup]" = None,
@@ -60,9 +68,7 @@ def register(ddp_model: DistributedDataParallel, compressor="none", *, group: "O
     Under ``torch.amp.GradScaler`` pass ``grad_scaler=scaler`` (a :class:`GradzipState` argument, as are
     the other keywords besides the compressor's parameters): the hook sees scaled gradients.
     """
-    given = ddp_model
-    while not isinstance(ddp_model, DistributedDataParallel) and hasattr(ddp_model, "_orig_mod"):
-        ddp_model = ddp_model._orig_mod  # torch.compile(DDP(model)): the hook belongs to the DDP inside
+    given, ddp_model = ddp_model, uncompiled(ddp_model)  # torch.compile(DDP(model)): the hook is the DDP's
     if not isinstance(ddp_model, DistributedDataParallel):
         raise ValueError(
             f"gradzip.register() needs a torch.nn.parallel.DistributedDataParallel model (or torch.compile "
@@ -88,7 +94,8 @@ def register(ddp_model: DistributedDataParallel, compressor="none", *, group: "O
             own = group if destroyable else None
     state = GradzipState(compressor, group=group, seed=seed, **params)
     state.adopt_group(own)
-    state.param_names = {p: name for name, p in ddp_model.module.named_parameters()}
+    # DDP(torch.compile(model)) names them as the model does: a checkpoint does not depend on compiling
+    state.param_names = {p: name for name, p in uncompiled(ddp_model.module).named_parameters()}
     # Buckets that are sent densely go through a plain allreduce on DDP's own group, which gradzip's
     # thread never uses (two threads issuing collectives on one group could interleave them differently
     # on different ranks).

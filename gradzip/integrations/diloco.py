@@ -18,6 +18,7 @@ from torch import nn
 from .. import devices
 from ..compressors import make
 from ..state import GradzipState
+from .ddp import uncompiled
 
 __all__ = ["DiLoCo", "check_options", "OPTIONS"]
 
@@ -127,6 +128,7 @@ class DiLoCo:
                  compressor="none", outer_lr: float = 0.7, outer_momentum: float = 0.5, nesterov: bool = True,
                  group: Optional[dist.ProcessGroup] = None, fragments: int = 1, overlap: bool = False,
                  merge_alpha: float = 0.0, seed: int = 0, **compressor_params):
+        model = uncompiled(model)  # torch.compile(model): state named as the model's own parameters
         if isinstance(model, nn.parallel.DistributedDataParallel):
             raise ValueError("DiLoCo takes the replica, not its DDP wrapper: pass ddp_model.module and "
                              "group= the ranks that hold the same replica slot on the other nodes")

@@ -38,7 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from .ddp import register as _register_ddp
+from .ddp import register as _register_ddp, uncompiled
 
 __all__ = ["register", "GradzipCallback"]
 
@@ -108,9 +108,7 @@ class GradzipCallback(TrainerCallback):
 
 
 def _ddp_model(trainer) -> DistributedDataParallel:
-    model = trainer.model_wrapped
-    while not isinstance(model, DistributedDataParallel) and hasattr(model, "_orig_mod"):  # torch.compile's
-        model = model._orig_mod
+    model = uncompiled(trainer.model_wrapped)
     if not isinstance(model, DistributedDataParallel):
         raise ValueError(
             f"gradzip's Trainer integration needs the model Trainer wraps in DistributedDataParallel, but "
