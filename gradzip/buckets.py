@@ -163,10 +163,22 @@ def _nonfinite(x: torch.Tensor) -> torch.Tensor:
     return _finite(x).logical_not_()
 
 
-def _finite(x: torch.Tensor) -> torch.Tensor:
-    """A device bool: whether every element of ``x`` is finite (its largest magnitude is below infinity:
-    NaN propagates through the norm and compares False)."""
-    return torch.linalg.vector_norm(x, float("inf")).lt(float("inf"))
+def _finite(x: torch.Tensor, limit: float = float("inf")) -> torch.Tensor:
+    """A device bool: whether every element of ``x`` is finite (its largest magnitude is below ``limit``,
+    infinity unless given: NaN propagates through the norm and compares False)."""
+    return torch.linalg.vector_norm(x, float("inf")).lt(limit)
+
+
+def _cast_limit(source: torch.dtype, target: torch.dtype) -> float:
+    """The smallest magnitude of ``source`` that rounds to infinity cast to ``target`` (infinity where
+    every finite value stays finite): ``target``'s largest value plus half its last step, a tie that
+    rounds up, since the largest value's significand is odd (65520 for float16)."""
+    if not (source.is_floating_point and target.is_floating_point) or (
+            torch.finfo(target).max >= torch.finfo(source).max):
+        return float("inf")
+    info = torch.finfo(target)
+    top_power = info.max / (2 - info.eps)  # the largest value is (2 - eps) times a power of two
+    return info.max + top_power * info.eps / 2
 
 
 def _one_run(grads: Sequence[torch.Tensor], layout: BucketLayout, storage) -> bool:
@@ -244,10 +256,12 @@ class BucketRoute:
         aggregate = result.aggregate
         bad = report.nonfinite
         # bad, or the aggregate not shown finite: for booleans "bad or not ok" is "ok <= bad", one operation
-        if result.bound is not None:  # below half fp32's largest value, r rounded products stay finite
-            bad = torch.le(result.bound < _FLOAT32_MAX / 2, bad)  # NaN compares False: bad
+        limit = _cast_limit(aggregate.dtype, layout.dtype)  # a float32 sum written into 16-bit gradients
+        if result.bound is not None and limit > _FLOAT32_MAX / 2:  # (bf16's is fp32's, near enough)
+            # below half the largest value, r rounded products stay finite; NaN compares False
+            bad = torch.le(result.bound < min(limit, _FLOAT32_MAX) / 2, bad)
         elif aggregate.numel():
-            bad = torch.le(_finite(aggregate), bad)
+            bad = torch.le(_finite(aggregate, limit), bad)
         report.nonfinite = bad  # a device bool: what a caller reading it (DiLoCo's outer step) must know
         entry.commit(b.updates, shapes, bad, state.tensors, spare=flat_g if in_place else None)  # before
         outputs = _write(aggregate, bad, entry, out, flat_g if in_place else None, layout)  # the input is overwritten

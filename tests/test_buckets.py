@@ -263,6 +263,34 @@ def test_an_overflowing_fp16_payload_poisons_the_step():
 
 
 @pytest.mark.parametrize("name, params", CASES, ids=IDS)
+def test_an_aggregate_that_overflows_16_bit_gradients_poisons_the_step(name, params):
+    """float16 gradients, one tensor at 60000: an aggregate that rounds to infinity cast back into them
+    (QSGD's levels scale by the tensor's norm, 120000 here) poisons the step and commits nothing, on either
+    route; any other comes back finite.  The bucket route computes in float32: it once wrote such an
+    aggregate into the gradients as Inf, counted nothing and committed the state."""
+    outcomes = {}
+    for route, state in zip(("bucket", "per-tensor"), _pair(name, params)):
+        _, named = _bucket(torch.float16)
+        state.exchange(named)
+        before = {k: {n: v.clone() for n, v in slot.items()} for k, slot in state.tensors.items()}
+        _, named = _bucket(torch.float16, seed=1)
+        named[0][1].fill_(60000.0)
+        out = [o for o in state.exchange(named) if o.numel()]
+        poisoned = state.stats()["nonfinite_exchanges"] == 1
+        if poisoned:
+            assert all(bool(o.isnan().all()) for o in out), f"{route}: a skipped step not NaN everywhere"
+            assert all(torch.equal(before[k][n], v) for k, slot in state.tensors.items() for n, v in slot.items()), (
+                f"{route}: a skipped step committed state")
+        else:
+            assert all(bool(o.isfinite().all()) for o in out), f"{route}: Inf written, the step not skipped"
+        outcomes[route] = poisoned
+    if name not in RANDOM:
+        assert outcomes["bucket"] == outcomes["per-tensor"], outcomes
+    if (name, params) in (("qsgd", {}), ("powersgd", {"dense_steps": 0, "feedback": "none"})):
+        assert outcomes == {"bucket": True, "per-tensor": True}, outcomes  # the case is one that overflows
+
+
+@pytest.mark.parametrize("name, params", CASES, ids=IDS)
 def test_resumed_state_continues_bit_for_bit(name, params):
     whole = GradzipState(name, bucketed=True, **params)
     first = GradzipState(name, bucketed=True, **params)
