@@ -98,6 +98,7 @@ class Package:
     def __init__(self, runner: Callable, mins: list):
         self.runner = None if exiting() else runner  # loaded as the process exits: let go of at once
         self.mins = mins
+        self._calling = threading.Lock()  # the runner is loaded single-threaded (see load_runner)
         _LOADED.add(self)
 
     def fits(self, args) -> bool:
@@ -108,7 +109,7 @@ class Package:
         runner = self.runner  # held until the call ends, should the process unload it meanwhile
         if runner is None:
             return None
-        with devices.current_for(args[0]):  # its runner launches on the current GPU's current stream
+        with self._calling, devices.current_for(args[0]):  # it launches on the current GPU's current stream
             out = runner(*args)
         return out[0] if isinstance(out, (list, tuple)) and len(out) == 1 else out
 
@@ -157,7 +158,15 @@ def load(fn: Callable, static: dict, args_form: tuple, options: dict, device: to
         meta = _meta(path)
     if meta is None:
         raise RuntimeError(f"no package at {path} after its compile")
-    return Package(torch._inductor.aoti_load_package(path, device_index=_index(device)), meta["mins"])
+    return Package(load_runner(path, device), meta["mins"])
+
+
+def load_runner(path: str, device) -> Callable:
+    """AOTInductor's runner of the package at ``path``, for ``device``, single-threaded: the thread-aware
+    runner keeps one model instance, which a call takes only once the last call's work has finished on
+    the GPU (it waits for that run's CUDA event), so calls back to back, as a bucket's kernels are,
+    would make the host wait for the GPU at each.  :class:`Package` serialises the calls instead."""
+    return torch._inductor.aoti_load_package(path, run_single_threaded=True, device_index=_index(device))
 
 
 def _meta(path: str) -> Optional[dict]:
@@ -561,7 +570,7 @@ def _main(spec: dict) -> None:
     _compile_loops_at(options.pop(LOOPS_LEVEL, None))
     torch._inductor.aoti_compile_and_package(exported, package_path=part + ".pt2", inductor_configs=options)
     _unpack_in_scratch()
-    package = Package(torch._inductor.aoti_load_package(part + ".pt2", device_index=_index(spec["device"])), mins)
+    package = Package(load_runner(part + ".pt2", spec["device"]), mins)
     try:
         for args in _checked(spec, kernel.nonnegative):  # export keeps guards the package drops
             if not package.fits(args):

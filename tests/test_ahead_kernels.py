@@ -854,6 +854,36 @@ def test_a_package_loaded_as_the_process_exits_is_let_go_of(monkeypatch):
     assert package.runner is None and not package.fits(()) and package() is None
 
 
+def test_a_runner_is_loaded_single_threaded_and_its_calls_take_turns(monkeypatch):
+    """AOTInductor's thread-aware runner waits at each call for the last call's CUDA event (one model
+    instance): packages load single-threaded, and Package lets one thread call its runner at a time."""
+    loaded, inside, overlapped = [], [], []
+
+    def runner(*args):
+        inside.append(1)
+        overlapped.append(len(inside) > 1)
+        time.sleep(0.01)
+        inside.pop()
+        return [args[0] + 1]
+
+    def load_package(path, **kw):
+        loaded.append(kw)
+        return runner
+
+    monkeypatch.setattr(torch._inductor, "aoti_load_package", load_package)
+    package = ahead.Package(ahead.load_runner("kernel.pt2", torch.device("cpu")), [])
+    assert loaded == [{"run_single_threaded": True, "device_index": -1}]
+    results = []
+    threads = [threading.Thread(target=lambda: results.extend(package(torch.ones(2)) for _ in range(5)))
+               for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(overlapped) == 20 and not any(overlapped)
+    assert all(torch.equal(r, torch.full((2,), 2.0)) for r in results)
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_a_forked_copy_leaves_the_parents_compile_alone(tmp_path):
     """A data loader's worker forked while a kernel compiles exits (atexit and all) without stopping the
