@@ -20,6 +20,7 @@ whose chained future callbacks reorder them in PyTorch's hook.
 import functools
 import logging
 import os
+import threading
 import time
 from typing import Optional
 
@@ -296,7 +297,11 @@ def ddp_comm_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures
         # (the map of used parameters, with find_unused_parameters) while gradzip's thread may still be
         # issuing earlier buckets': on NCCL, two groups in flight in an order that differs between ranks.
         # The hook returns once the thread has issued them all; backward's end waits for them anyway.
-        fut.wait()
+        # A wait on the host alone: the future's own wait() would also hold backward's stream behind
+        # gradzip's, and with it whatever backward has left to run after this hook.
+        issued = threading.Event()
+        fut.add_done_callback(lambda _: issued.set())
+        issued.wait()
     state.record_bucket(named, hook_s=time.perf_counter() - start)  # the thread counts the exchange
     return fut
 
