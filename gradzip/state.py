@@ -13,6 +13,7 @@ import contextlib
 import functools
 import hashlib
 import io
+import numbers
 import os
 import queue
 import threading
@@ -205,6 +206,8 @@ class GradzipState:
             self.compressor = make(compressor, feedback=feedback, **params)
         else:
             self.compressor = _feedback.with_feedback(make(compressor, **params), feedback)
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+            raise ValueError(f"seed must be an integer (the same on every rank), got {seed!r}")
         self.seed = int(seed)
         self.epoch: Optional[int] = None  # None until set_epoch is called
         self.tensors: dict[str, dict[str, torch.Tensor]] = {}

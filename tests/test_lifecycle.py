@@ -180,6 +180,12 @@ def test_register_refuses_models_that_are_not_ddp():
         gradzip.register(torch.compile(nn.Linear(2, 2)), "topk")
 
 
+@pytest.mark.parametrize("seed", ["a", 1.5, True, None])
+def test_a_seed_that_is_not_an_integer_is_refused(seed):
+    with pytest.raises(ValueError, match=r"seed must be an integer \(the same on every rank\), got "):
+        gradzip.GradzipState("topk", seed=seed)
+
+
 def test_hook_refuses_a_state_that_is_not_gradzips():
     with pytest.raises(TypeError, match="needs a gradzip.GradzipState"):
         gradzip.ddp_comm_hook(None, None)
