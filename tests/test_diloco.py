@@ -591,6 +591,12 @@ def test_an_inner_optimizer_over_other_parameters_is_refused():
     assert "\n" not in str(err.value)
 
 
+def test_an_inner_optimizer_that_is_not_one_is_refused():
+    model = _model()
+    with pytest.raises(TypeError, match="inner_optimizer must be a torch.optim.Optimizer, got list"):
+        gradzip.DiLoCo(model, list(model.parameters()), sync_every=2)
+
+
 def test_dgc_without_outer_momentum_is_accepted():
     _, _, outer = _single(compressor="dgc", outer_momentum=0.0)
     assert outer.state.compressor.name == "dgc"

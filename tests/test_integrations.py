@@ -206,6 +206,9 @@ def test_optimizer_rejects_bad_arguments():
         gradzip.DistributedOptimizer(sgd, other.named_parameters())
     with pytest.raises(ValueError, match="DistributedDataParallel"):
         gradzip.register(model, "topk")
+    with pytest.raises(TypeError, match=r"named_parameters must give \(name, parameter\) pairs, as "
+                                        r"model.named_parameters\(\) does; got a Parameter"):
+        gradzip.DistributedOptimizer(sgd, list(model.parameters()))  # parameters() where named_parameters() goes
 
 
 def test_optimizer_state_dict_resumes_exactly():

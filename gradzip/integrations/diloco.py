@@ -129,6 +129,8 @@ class DiLoCo:
                  group: Optional[dist.ProcessGroup] = None, fragments: int = 1, overlap: bool = False,
                  merge_alpha: float = 0.0, seed: int = 0, **compressor_params):
         model = uncompiled(model)  # torch.compile(model): state named as the model's own parameters
+        if not isinstance(inner_optimizer, torch.optim.Optimizer):
+            raise TypeError(f"inner_optimizer must be a torch.optim.Optimizer, got {type(inner_optimizer).__name__}")
         if isinstance(model, nn.parallel.DistributedDataParallel):
             raise ValueError("DiLoCo takes the replica, not its DDP wrapper: pass ddp_model.module and "
                              "group= the ranks that hold the same replica slot on the other nodes")

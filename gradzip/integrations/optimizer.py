@@ -75,7 +75,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if named_parameters is None:
             named = [(f"param.{i}", p) for i, p in enumerate(in_optimizer) if p.requires_grad]
         else:
-            named = [(n, p) for n, p in named_parameters if p.requires_grad]
+            given = list(named_parameters)
+            bad = next((item for item in given if not (isinstance(item, tuple) and len(item) == 2 and isinstance(
+                item[0], str) and isinstance(item[1], torch.Tensor))), None)
+            if bad is not None:
+                what = (f"a tuple of {', '.join(type(x).__name__ for x in bad)}" if isinstance(bad, tuple)
+                        else f"a {type(bad).__name__}")
+                raise TypeError("named_parameters must give (name, parameter) pairs, as model.named_parameters() "
+                                f"does; got {what}")
+            named = [(n, p) for n, p in given if p.requires_grad]
         names = [n for n, _ in named]
         if len(set(names)) != len(names):
             raise ValueError("named_parameters has duplicate names; each parameter needs a unique name")
