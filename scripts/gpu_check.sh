@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# The GPU checks in one run (about 6 minutes on an H100; more while the cache of kernels compiled ahead
-# is cold), from the repository root:
+# The GPU checks in one run, within BUDGET_S seconds (default 540: a device call's limit is 600), from
+# the repository root:
 #   PYTHONPATH=. bash scripts/gpu_check.sh
-# Needs torch with CUDA, typer, rich and pytest (installs nothing).  Every step's output also goes to
+# Needs torch with CUDA, numpy, typer, rich and pytest (installs nothing).  Each step's timeout is its own
+# cap or what the budget has left after the later steps' shares, whichever is less, so a cold cache of
+# kernels compiled ahead cuts a step short (its output so far is kept) rather than the whole run.  Every step's output also goes to
 # $OUT_DIR: warm.log (each method's first steps side by side, compiling its kernels ahead: WARM_JOBS),
-# step.json/step.log (gradzip bench step), gpu_tests.log, kernels.json/kernels.log, each failed
+# step.json/step.log (gradzip bench step), gpu_tests.log, kernels.json/kernels.log,
+# gpu_kernel_tests.log (the kernels compiled ahead against their references, on CUDA), each failed
 # compile's NAME.failed (the reason, then the compiler's output); optional
 # steps: ISSUE_METHODS (step_inline.*: issued from DDP's hook), MEMORY_METHODS (memory.log: what is alive
 # at each method's memory peak, by the line that allocated it; about 40 s a method).
@@ -15,11 +18,20 @@ set -euo pipefail
 OUT_DIR=${OUT:-/tmp/gradzip_gpu}
 # The bucket route's tests by name: a bare "bucket" also picks the GPT scripts' bucket_view feature, whose
 # torchrun plan runs every method (it took most of a 170 s budget on 2026-11-27).
-GPU_TESTS=${GPU_TESTS:-"sync_debug or bucket_route or bucket_draws or bucket_kernels or state_loaded or links_timed or nccl_alone or overlapped_diloco or callers_stream"}
+# The kernels' tests (bucket_kernels: each may first compile its method's kernels, tens of seconds) run
+# last, on their own, so that a cold cache cannot leave the others unrun.
+GPU_TESTS=${GPU_TESTS:-"sync_debug or bucket_route or bucket_draws or state_loaded or links_timed or nccl_alone or overlapped_diloco or callers_stream"}
+KERNEL_TESTS=${KERNEL_TESTS:-"bucket_kernels"}
 PYTHON=${PYTHON:-python}
 STEP_ARGS=${STEP_ARGS:-"--steps 15 --warmup 2 --profile-steps 1"}  # more options for bench step
-STEP_TIMEOUT=${STEP_TIMEOUT:-420}  # a method whose kernels compile ahead waits for them (tens of seconds each, once)
-TESTS_TIMEOUT=${TESTS_TIMEOUT:-180}  # the kernels compiled ahead that the benchmarks did not need compile here
+BUDGET_S=${BUDGET_S:-540}
+WARM_TIMEOUT=${WARM_TIMEOUT:-100}
+STEP_TIMEOUT=${STEP_TIMEOUT:-200}  # a method whose kernels compile ahead waits for them (tens of seconds each, once)
+TESTS_TIMEOUT=${TESTS_TIMEOUT:-110}
+KERNELS_TIMEOUT=${KERNELS_TIMEOUT:-60}
+KERNEL_TESTS_TIMEOUT=${KERNEL_TESTS_TIMEOUT:-120}  # the kernels compiled ahead that the benchmarks did not need compile here
+# The timeout of a step: its cap ($1), or the budget left less the later steps' least shares ($2), at least 20 s.
+timeout_for() { local left=$((BUDGET_S - SECONDS - $2)); local t=$(( $1 < left ? $1 : left )); echo $(( t < 20 ? 20 : t )); }
 ISSUE_METHODS=${ISSUE_METHODS:-}  # e.g. topk,qsgd: bench step again with GRADZIP_ISSUE=inline (thread vs hook)
 MEMORY_METHODS=${MEMORY_METHODS:-}  # e.g. sketch: what is alive at each one's memory peak (and DDP's), by line
 mkdir -p "$OUT_DIR"
@@ -44,52 +56,58 @@ step_rc=0; start=$SECONDS
 # allreduce in place (it took 1.38x and 1.48x DDP through a hook in two runs of docs/results/gpu.md,
 # torch-allreduce 1.03x in one).
 # powersgd:rank=4 beside powersgd (rank 2, gradzip's default): PyTorch's hook's rank, like for like.
-STEP_METHODS=${STEP_METHODS:-ddp,probe-cpp-hook,probe-python-hook,torch-allreduce,torch-fp16,torch-bf16,torch-powersgd,none,fp16,bf16,topk,qsgd,efsignsgd,powersgd,powersgd:rank=4,dgc}
+# Ten contenders fit STEP_TIMEOUT with a warm cache; the probes, bf16 and the others by STEP_METHODS.
+STEP_METHODS=${STEP_METHODS:-ddp,torch-allreduce,torch-fp16,torch-powersgd,none,fp16,topk,qsgd,powersgd:rank=4,dgc}
 [ "$STEP_METHODS" = all ] && STEP_METHODS=
 
 # Kernels compiled ahead, once per machine: each contender's first steps in processes side by side (up
 # to WARM_JOBS at once, each waiting for its packages, their compiles on every core), so that the timed
 # table below loads them instead of compiling one contender at a time (35-45 s each when cold).
 WARM_JOBS=${WARM_JOBS:-6}  # 0: no warm-up
-WARM_TIMEOUT=${WARM_TIMEOUT:-240}
 if [ "$WARM_JOBS" -gt 0 ]; then
   warm_start=$SECONDS
   echo "== warming the cache of kernels compiled ahead ($WARM_JOBS at once) =="
   methods=${STEP_METHODS:-$("$PYTHON" -c 'import gradzip; print(",".join(gradzip.compressors()))')}
   split_methods "$methods" | grep -v -E '^(ddp|torch-.*|probe-.*)$' \
-    | timeout "$WARM_TIMEOUT" xargs -P "$WARM_JOBS" -I{} "$PYTHON" -m gradzip bench step --device cuda --methods {} \
+    | timeout "$(timeout_for "$WARM_TIMEOUT" 230)" xargs -P "$WARM_JOBS" -I{} "$PYTHON" -m gradzip bench step --device cuda --methods {} \
         --steps 1 --warmup 1 --profile-steps 1 --no-isolate > "$OUT_DIR/warm.log" 2>&1 || true
   echo "warm-up: $((SECONDS - warm_start)) s (its output: warm.log)"
 fi
 
 start=$SECONDS
 echo "== gradzip bench step (DDP, PyTorch's hooks, gradzip methods: ${STEP_METHODS:-all}) =="
-timeout "$STEP_TIMEOUT" "$PYTHON" -m gradzip bench step --device cuda $STEP_ARGS ${STEP_METHODS:+--methods "$STEP_METHODS"} --json "$OUT_DIR/step.json" 2>&1 \
+timeout "$(timeout_for "$STEP_TIMEOUT" 130)" "$PYTHON" -m gradzip bench step --device cuda $STEP_ARGS ${STEP_METHODS:+--methods "$STEP_METHODS"} --json "$OUT_DIR/step.json" 2>&1 \
   | tee "$OUT_DIR/step.log" || step_rc=$?
 step_s=$((SECONDS - start)); start=$SECONDS
 
 echo "== GPU tests: -k \"$GPU_TESTS\" =="
 tests_rc=0
-timeout "$TESTS_TIMEOUT" "$PYTHON" -m pytest -q --maxfail=25 tests/stacks/test_gpu.py -k "$GPU_TESTS" 2>&1 \
+timeout "$(timeout_for "$TESTS_TIMEOUT" 70)" "$PYTHON" -m pytest -q --maxfail=25 tests/stacks/test_gpu.py -k "$GPU_TESTS" 2>&1 \
   | tee "$OUT_DIR/gpu_tests.log" || tests_rc=$?
 tests_s=$((SECONDS - start)); start=$SECONDS
 
 echo "== gradzip bench kernels (flat 25M, 3 rounds, each method's top operators by GPU time) =="
 kernels_rc=0
-timeout 90 "$PYTHON" -m gradzip bench kernels --device cuda --workloads flat --repeat 3 --no-selection --no-alone --profile \
+timeout "$(timeout_for "$KERNELS_TIMEOUT" 40)" "$PYTHON" -m gradzip bench kernels --device cuda --workloads flat --repeat 3 --no-selection --no-alone --profile \
   --json "$OUT_DIR/kernels.json" 2>&1 | tee "$OUT_DIR/kernels.log" || kernels_rc=$?
-kernels_s=$((SECONDS - start))
+kernels_s=$((SECONDS - start)); start=$SECONDS
+
+echo "== GPU tests of the kernels compiled ahead: -k \"$KERNEL_TESTS\" =="
+kernel_tests_rc=0
+timeout "$(timeout_for "$KERNEL_TESTS_TIMEOUT" 0)" "$PYTHON" -m pytest -q --maxfail=25 tests/stacks/test_gpu.py \
+  -k "$KERNEL_TESTS" 2>&1 | tee "$OUT_DIR/gpu_kernel_tests.log" || kernel_tests_rc=$?
+kernel_tests_s=$((SECONDS - start))
 
 if [ -n "$ISSUE_METHODS" ]; then
   echo "== bench step with each bucket's work issued from DDP's hook (GRADZIP_ISSUE=inline): $ISSUE_METHODS =="
-  GRADZIP_ISSUE=inline timeout 90 "$PYTHON" -m gradzip bench step --device cuda $STEP_ARGS --methods "ddp,$ISSUE_METHODS" \
+  GRADZIP_ISSUE=inline timeout "$(timeout_for 90 0)" "$PYTHON" -m gradzip bench step --device cuda $STEP_ARGS --methods "ddp,$ISSUE_METHODS" \
     --json "$OUT_DIR/step_inline.json" 2>&1 | tee "$OUT_DIR/step_inline.log" || true
 fi
 
 if [ -n "$MEMORY_METHODS" ]; then
   echo "== memory at the peak of the first and warm-up steps: ddp,$MEMORY_METHODS =="
   snapshots=$(mktemp -d)  # the histories stay on the machine (tens of MB each); their summaries come back
-  timeout 150 "$PYTHON" -m gradzip bench step --device cuda --methods "ddp,$MEMORY_METHODS" --steps 2 --warmup 2 \
+  timeout "$(timeout_for 150 0)" "$PYTHON" -m gradzip bench step --device cuda --methods "ddp,$MEMORY_METHODS" --steps 2 --warmup 2 \
     --profile-steps 1 --memory-snapshot "$snapshots" > "$OUT_DIR/memory.log" 2>&1 || true
   for name in ddp $(split_methods "$MEMORY_METHODS"); do
     [ -f "$snapshots/$name.pickle" ] && "$PYTHON" benchmarks/memory_peak.py "$snapshots/$name.pickle" 2>&1 \
@@ -104,7 +122,8 @@ for failed in "$GRADZIP_KERNEL_CACHE"/*.failed; do
 done
 
 echo "exit codes (124: timed out): bench step $step_rc in ${step_s} s, GPU tests $tests_rc (5: none selected)" \
-  "in ${tests_s} s, bench kernels $kernels_rc in ${kernels_s} s" \
+  "in ${tests_s} s, bench kernels $kernels_rc in ${kernels_s} s, kernels' GPU tests $kernel_tests_rc in" \
+  "${kernel_tests_s} s; ${SECONDS} s in all" \
   | tee "$OUT_DIR/summary.txt"
 echo "outputs in $OUT_DIR"
 [ "$step_rc" = 0 ] && [ "$kernels_rc" = 0 ]

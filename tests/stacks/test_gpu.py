@@ -249,8 +249,20 @@ def _ahead_cases():
     return [pytest.param(*case, id=case_id) for case, case_id in zip(CASES, IDS)]
 
 
+@pytest.fixture
+def kernels_fresh(monkeypatch):
+    """As tests/test_ahead_kernels.py's own fixture: no failure left by an earlier test, and nothing of
+    this test's still compiling into the next."""
+    from gradzip import kernels
+    monkeypatch.setattr(kernels, "_failure", None)
+    for kernel in kernels.KERNELS:
+        monkeypatch.setattr(kernel, "failed_ahead", None)
+    yield
+    kernels.settle()
+
+
 @pytest.mark.parametrize("method, params, names", _ahead_cases())
-def test_bucket_kernels_compiled_ahead_on_cuda(method, params, names, monkeypatch):
+def test_bucket_kernels_compiled_ahead_on_cuda(method, params, names, monkeypatch, kernels_fresh):
     """On CUDA the bucket route's kernels compiled ahead (Triton, eager numerics) give the reference
     paths' aggregates and state bit for bit, and an exchange that runs them never waits for the device."""
     from gradzip.state import GradzipState
