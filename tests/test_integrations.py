@@ -196,6 +196,40 @@ def test_a_compiled_model_keeps_its_own_parameter_names(tmp_path, compiled):
         dist.destroy_process_group()
 
 
+def test_sparse_gradients_are_refused_in_one_line(tmp_path):
+    """nn.Embedding(sparse=True) gives sparse gradients, which no method compresses: register() refuses it
+    before any step (but for 'none', which leaves DDP's own allreduce), and the hook of a state handed
+    to DDP directly refuses the sparse bucket."""
+    import torch.distributed as dist
+
+    class Bag(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.fc = nn.Embedding(20, 4, sparse=True), nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.fc(self.emb(x).mean(1))
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        message = r"compresses dense gradients, and Embedding 'emb' \(sparse=True\) gives sparse ones, which 'topk'"
+        with pytest.raises(ValueError, match=message) as err:
+            gradzip.register(nn.parallel.DistributedDataParallel(Bag()), "topk")
+        assert "\n" not in str(err.value)
+        with gradzip.register(nn.parallel.DistributedDataParallel(Bag()), "none") as state:
+            assert state.compressor.name == "none"
+        ddp = nn.parallel.DistributedDataParallel(Bag())
+        ddp.register_comm_hook(gradzip.GradzipState("topk"), gradzip.ddp_comm_hook)
+        with pytest.raises(ValueError, match=r"compresses dense gradients, and the parameter param\d gives sparse"):
+            ddp(torch.randint(0, 20, (3, 5))).sum().backward()
+        model = Bag()
+        opt = gradzip.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), "topk")
+        with pytest.raises(ValueError, match="compresses dense gradients, and the parameter 'emb.weight' has a sparse"):
+            model(torch.randint(0, 20, (3, 5))).sum().backward()
+    finally:
+        dist.destroy_process_group()
+
+
 def test_optimizer_rejects_bad_arguments():
     model = _model()
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)

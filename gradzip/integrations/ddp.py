@@ -112,6 +112,11 @@ def register(ddp_model: DistributedDataParallel, compressor="none", *, group: "O
         # collectives go out from there too, so that every rank issues both in program order.
         state.issues_inline = True
     reduced = _reduced_by_ddp_itself(state, ddp_model)
+    sparse = [f"{type(m).__name__} {name!r}" for name, m in uncompiled(ddp_model.module).named_modules()
+              if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad]
+    if reduced is None and sparse:
+        state.close()
+        raise ValueError(_sparse_refused(f"{', '.join(sparse)} (sparse=True)", state.compressor.name))
     if reduced is not None:
         ddp_model._gradzip_counted = _DDPAllreduceCount(state, reduced)
         ddp_model.register_forward_hook(ddp_model._gradzip_counted.after_forward)
@@ -254,6 +259,11 @@ def _names(state: GradzipState, params) -> list:
     return [names[p] for p in params]
 
 
+def _sparse_refused(what: str, method: str) -> str:
+    return (f"gradzip compresses dense gradients, and {what} gives sparse ones, which {method!r} cannot "
+            "take; make it dense (sparse=False), or use method 'none' (DDP's own allreduce)")
+
+
 def ddp_comm_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: ``ddp_model.register_comm_hook(gradzip.GradzipState(...), gradzip.ddp_comm_hook)``."""
     if not isinstance(state, GradzipState):
@@ -261,6 +271,9 @@ def ddp_comm_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures
     start = time.perf_counter()
     state.transport  # connect now (a state built before init_process_group): its dense group is then known
     buffer = bucket.buffer()
+    if buffer.layout != torch.strided:  # register() refuses the usual source; a state handed to DDP directly
+        names = _names(state, bucket.parameters())
+        raise ValueError(_sparse_refused(f"the parameter {names[0]}", state.compressor.name))
     # A bucket that is one plain allreduce for ever (none; fp16 and bf16 without feedback) is decided
     # once: later steps touch none of its tensors in Python (some 100 per bucket in a transformer).
     cached = state.always_plain.get((bucket.index(), buffer.data_ptr(), buffer.numel()))

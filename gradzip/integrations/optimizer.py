@@ -166,6 +166,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # -- the exchange, driven by autograd ---------------------------------------------------------------
     def _on_grad(self, p: torch.Tensor) -> None:
+        if p.grad is not None and p.grad.layout != torch.strided:
+            name = next(n for n, q in self._buckets[self._bucket_of[p]] if q is p)
+            raise ValueError(f"gradzip compresses dense gradients, and the parameter {name!r} has a sparse one "
+                             "(nn.Embedding(sparse=True)?); make it dense (sparse=False)")
         if not self._callback_queued:
             # Runs when this backward pass ends, before backward() returns (as DDP's reducer does).
             self._callback_queued = True
