@@ -212,6 +212,66 @@ def scenario_add_param_group(rank, world, tmp):
             "inner_groups": len(opt.optimizer.param_groups), "names": sorted(opt.gradzip_state.steps)}
 
 
+def scenario_unfreeze(rank, world, tmp):
+    """Fine-tuning: the body is frozen when the wrapper is built and unfrozen after a step; from that step on
+    its gradients are averaged too (before, they stayed each rank's own and the replicas drifted)."""
+    model = workers.small_model()
+    for p in model[:4].parameters():
+        p.requires_grad_(False)
+    opt = gradzip.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), "none")
+    _loss(model, rank, 0).backward()
+    opt.step()
+    for p in model[:4].parameters():
+        p.requires_grad_(True)
+    opt.zero_grad()
+    loss = _loss(model, rank, 1)
+    expected = _averaged(_local_grads(loss, list(model.parameters())), world)
+    loss.backward()
+    grads = _grads(model)
+    opt.step()
+    opt.zero_grad()
+    _loss(model, rank, 2).backward()  # the next step: through the hooks it now has
+    opt.step()
+    return {"grads": grads, "expected": expected, "params": _flat(model), "names": sorted(opt.gradzip_state.steps)}
+
+
+def scenario_rewrapped(rank, world, tmp):
+    """A new wrapper of the same model after close(): the old one's hooks are gone (before, every backward
+    still reached its closed state, which raised)."""
+    model = workers.small_model()
+    old = gradzip.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), "none")
+    _loss(model, rank, 0).backward()
+    old.step()
+    old.close()
+    new = gradzip.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model.named_parameters(), "none")
+    new.zero_grad()
+    loss = _loss(model, rank, 1)
+    expected = _averaged(_local_grads(loss, list(model.parameters())), world)
+    loss.backward()
+    grads = _grads(model)
+    new.step()
+    return {"grads": grads, "expected": expected, "old": old.stats()["exchanges"], "new": new.stats()["exchanges"]}
+
+
+def scenario_duplicates(rank, world, tmp):
+    """A parameter named twice (tied weights, named_parameters(remove_duplicate=False)) is exchanged once a
+    pass, under its first name: with two passes a step, its bucket waits for the second pass."""
+    model = workers.small_model()
+    named = list(model.named_parameters()) + [("tied", model[0].weight)]
+    opt = gradzip.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named, "none",
+                                       backward_passes_per_step=2)
+    losses = [_loss(model, rank, step) for step in range(2)]
+    expected = _averaged([a + b for a, b in zip(*(_local_grads(loss, list(model.parameters())) for loss in losses))],
+                         world)
+    losses[0].backward()
+    pending_after_one = sorted(opt._futures)
+    losses[1].backward()
+    grads = _grads(model)
+    opt.step()
+    return {"grads": grads, "expected": expected, "pending_after_one": pending_after_one,
+            "names": sorted(opt.gradzip_state.steps)}
+
+
 def _checkpointed_run(rank, path, resume):
     model = workers.small_model()
     opt = gradzip.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
@@ -252,7 +312,7 @@ def scenario_state_dict(rank, world, tmp):
 
 
 SCENARIOS = ["schedulers", "grad_scaler", "unscale_clip", "grad_after_backward", "accumulate", "zero_grad",
-             "add_param_group", "state_dict"]
+             "add_param_group", "unfreeze", "rewrapped", "duplicates", "state_dict"]
 
 
 def _scenarios(rank, world, tmp):
@@ -374,6 +434,39 @@ def test_add_param_group_hooks_and_buckets_the_new_parameters(ranks):
             torch.testing.assert_close(g, e)
     _assert_equal_lists(a["grads"], b["grads"])
     assert torch.equal(a["params"], b["params"])
+
+
+def test_parameters_unfrozen_later_are_averaged(ranks):
+    a, b = _result(ranks, "unfreeze")
+    for r in (a, b):
+        for g, e in zip(r["grads"], r["expected"]):
+            torch.testing.assert_close(g, e)
+        assert {"0.weight", "0.bias", "4.weight"} <= set(r["names"])
+    assert torch.equal(a["params"], b["params"])
+
+
+def test_a_new_wrapper_after_close_exchanges_alone(ranks):
+    for r in _result(ranks, "rewrapped"):
+        assert r["old"] == r["new"] > 0  # one step each: the closed one counted no more
+        for g, e in zip(r["grads"], r["expected"]):
+            torch.testing.assert_close(g, e)
+
+
+def test_a_parameter_named_twice_is_exchanged_once_a_pass(ranks):
+    for r in _result(ranks, "duplicates"):
+        assert r["pending_after_one"] == [] and "tied" not in r["names"] and "0.weight" in r["names"]
+        for g, e in zip(r["grads"], r["expected"]):
+            torch.testing.assert_close(g, e)
+
+
+def test_optimizer_parameters_without_a_name_are_refused():
+    model = workers.small_model()
+    extra = nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD(list(model.parameters()) + [extra], lr=0.1)
+    with pytest.raises(ValueError, match="1 parameter.s. of the optimizer are not in named_parameters: each needs a "
+                                         "name, or its gradient would not be averaged") as err:
+        gradzip.DistributedOptimizer(opt, model.named_parameters())
+    assert "\n" not in str(err.value)
 
 
 def test_state_dict_saves_loads_weights_only_and_resumes_bit_for_bit(ranks):

@@ -73,7 +73,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                              "(FSDP2 / tensor parallel), which gradzip does not support; use it with "
                              "replicated models (no DDP) or gradzip.register() on a DDP model")
         if named_parameters is None:
-            named = [(f"param.{i}", p) for i, p in enumerate(in_optimizer) if p.requires_grad]
+            given = [(f"param.{i}", p) for i, p in enumerate(in_optimizer)]
         else:
             given = list(named_parameters)
             bad = next((item for item in given if not (isinstance(item, tuple) and len(item) == 2 and isinstance(
@@ -83,14 +83,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
                         else f"a {type(bad).__name__}")
                 raise TypeError("named_parameters must give (name, parameter) pairs, as model.named_parameters() "
                                 f"does; got {what}")
-            named = [(n, p) for n, p in given if p.requires_grad]
-        names = [n for n, _ in named]
+        given = list({p: (n, p) for n, p in reversed(given)}.values())[::-1]  # a tensor twice: its first name
+        names = [n for n, _ in given]
         if len(set(names)) != len(names):
             raise ValueError("named_parameters has duplicate names; each parameter needs a unique name")
         known = set(in_optimizer)
-        missing = [n for n, p in named if p not in known]
+        missing = [n for n, p in given if p not in known and p.requires_grad]
         if missing:
             raise ValueError(f"parameters not in the optimizer: {', '.join(missing[:5])}")
+        unnamed = len(known - {p for _, p in given})
+        if unnamed:
+            raise ValueError(f"{unnamed} parameter(s) of the optimizer are not in named_parameters: each needs a "
+                             "name, or its gradient would not be averaged (name them all, e.g. with "
+                             "model.named_parameters() of the model holding them)")
+        named = [(n, p) for n, p in given if p.requires_grad]
+        # Frozen now, perhaps trained later (a layer unfrozen during fine-tuning): hooked once it is.
+        self._frozen = [(n, p) for n, p in given if not p.requires_grad and p in known]
         # What torch.optim.Optimizer.__init__ sets up, except the parameters: param_groups, defaults and
         # state are properties reading the wrapped optimizer (its load_state_dict replaces the objects).
         self.optimizer = optimizer
@@ -206,6 +214,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _finish(self) -> None:
         """Submit the buckets still due (unused parameters: zeros), wait for all, write ``p.grad``."""
+        unfrozen = [(n, p) for n, p in self._frozen if p.requires_grad]
+        if unfrozen:  # every rank unfreezes at the same step: their buckets go out after the others
+            self._frozen = [(n, p) for n, p in self._frozen if not p.requires_grad]
+            self._add_parameters(unfrozen)
         try:
             self._submit_ready(force=True)
             with torch.no_grad():
@@ -263,6 +275,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             groups.pop(g)
             raise ValueError(f"parameter names already in use: {', '.join(clash[:5]) or 'duplicates in the group'}")
         self._add_parameters(named)
+        self._frozen.extend((n, p) for n, p in zip(names, added["params"]) if not p.requires_grad)
 
     def state_dict(self, *, all_ranks: bool = False) -> dict:
         """The wrapped optimizer's ``state_dict()`` plus ``"gradzip"``: ``gradzip_state.state_dict()``
@@ -307,7 +320,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self.gradzip_state.stats()
 
     def close(self) -> None:
-        """Stop gradzip's communication thread (see :meth:`GradzipState.close`)."""
+        """Stop gradzip's communication thread (see :meth:`GradzipState.close`) and take gradzip's hooks
+        off the parameters, so that a new wrapper of the same model exchanges them alone."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
         self.gradzip_state.close()
 
 
