@@ -591,6 +591,25 @@ def test_an_inner_optimizer_over_other_parameters_is_refused():
     assert "\n" not in str(err.value)
 
 
+def test_a_state_dict_of_another_model_or_kind_is_refused_before_anything_loads():
+    model, opt, outer = _single(compressor="topk", ratio=0.5)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(4, 32)).square().mean().backward()
+        opt.step()
+        outer.step()
+    saved = outer.state_dict()
+    before = {name: t.clone() for name, t in outer.theta.items()}
+    name = next(iter(saved["theta"]))
+    other = {**saved, "theta": {**saved["theta"], name: saved["theta"][name][:1]}}
+    with pytest.raises(ValueError, match=f"holds other shapes for {name}: it was saved for another model"):
+        outer.load_state_dict(other)
+    with pytest.raises(ValueError, match=r"not a DiLoCo state_dict \(from DiLoCo.state_dict\(\)\): it has no sync_every"):
+        outer.load_state_dict({k: v for k, v in saved.items() if k != "sync_every"})
+    assert all(torch.equal(before[n], t) for n, t in outer.theta.items())
+    outer.load_state_dict(saved)
+
+
 def test_an_inner_optimizer_that_is_not_one_is_refused():
     model = _model()
     with pytest.raises(TypeError, match="inner_optimizer must be a torch.optim.Optimizer, got list"):

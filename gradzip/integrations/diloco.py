@@ -169,9 +169,10 @@ class DiLoCo:
         # caller's stream at once, where the next inner step could write it before they were read.
         self._sent: Optional[list] = None
         if self.state.world_size > 1:
+            source = 0 if group is None else dist.get_global_rank(group, 0)  # (group_src: torch >= 2.6 only)
             with torch.no_grad():
                 for t in itertools.chain(model.parameters(), model.buffers()):
-                    dist.broadcast(t, group_src=0, group=group)
+                    dist.broadcast(t, src=source, group=group)
         self.fragments = [[named[i] for i in run] for run in _partition([p.numel() for _, p in named], fragments)]
         self.offsets = [f * self.sync_every // fragments for f in range(fragments)]
         self.theta = {name: p.detach().to(torch.float32, copy=True) for name, p in named}
@@ -355,19 +356,28 @@ class DiLoCo:
         """Load a :meth:`state_dict`.  theta_g and the momentum are equal on every rank, the error feedback
         is this rank's own: load each rank's own file, or one saved with ``all_ranks=True``
         (``any_rank``: see ``GradzipState.load_state_dict``)."""
+        lacking = [key for key in ("sync_every", "fragments", "theta", "momentum", "gradzip", "inner_steps", "syncs",
+                                   "nonfinite_syncs", "fragment_syncs") if key not in state]
+        if lacking:
+            raise ValueError(f"not a DiLoCo state_dict (from DiLoCo.state_dict()): it has no {', '.join(lacking)}")
         mine = (self.sync_every, len(self.fragments), sorted(self.theta), sorted(self.momentum))
         saved = (state["sync_every"], state["fragments"], sorted(state["theta"]), sorted(state["momentum"]))
         if mine != saved:
             raise ValueError("this DiLoCo state_dict was saved with another sync_every, fragments, "
                              "parameter set or outer momentum")
+        reshaped = [name for kind in ("theta", "momentum") for name, t in getattr(self, kind).items()
+                    if tuple(state[kind][name].shape) != tuple(t.shape)]
+        if reshaped:
+            raise ValueError(f"this DiLoCo state_dict holds other shapes for {', '.join(reshaped[:5])}: it was "
+                             "saved for another model")
         if state.get("pending") and not self.overlap:
             raise ValueError("this DiLoCo state_dict holds an overlapped exchange to merge: load it with overlap=True")
         self._settle()  # an exchange in flight would write theta_g and b after they are loaded
+        self.state.load_state_dict(state["gradzip"], any_rank=any_rank)  # first: it checks what it loads
         for name in self.theta:
             self.theta[name].copy_(state["theta"][name])
         for name in self.momentum:
             self.momentum[name].copy_(state["momentum"][name])
-        self.state.load_state_dict(state["gradzip"], any_rank=any_rank)
         self.inner_steps, self.syncs = int(state["inner_steps"]), int(state["syncs"])
         self.nonfinite_syncs = int(state["nonfinite_syncs"])
         self.fragment_syncs = [int(n) for n in state["fragment_syncs"]]
