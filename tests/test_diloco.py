@@ -610,6 +610,24 @@ def test_a_state_dict_of_another_model_or_kind_is_refused_before_anything_loads(
     outer.load_state_dict(saved)
 
 
+def _subgroup_start(rank, world):
+    alone, pair = dist.new_group([0]), dist.new_group([1, 2])
+    torch.manual_seed(rank)
+    model = nn.Linear(3, 2)
+    gradzip.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=2, group=alone if rank == 0 else pair)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_replicas_start_from_their_groups_first_rank():
+    """group=: the replicas of a group start from its first rank's parameters (global rank 1 here)."""
+    alone, first, second = run_workers(_subgroup_start, 3)
+    torch.manual_seed(1)
+    assert all(torch.equal(a, b) and torch.equal(a, c.detach())
+               for a, b, c in zip(first, second, nn.Linear(3, 2).parameters()))
+    torch.manual_seed(0)
+    assert all(torch.equal(a, c.detach()) for a, c in zip(alone, nn.Linear(3, 2).parameters()))
+
+
 def test_an_inner_optimizer_that_is_not_one_is_refused():
     model = _model()
     with pytest.raises(TypeError, match="inner_optimizer must be a torch.optim.Optimizer, got list"):
