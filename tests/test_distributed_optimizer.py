@@ -272,6 +272,33 @@ def scenario_duplicates(rank, world, tmp):
             "names": sorted(opt.gradzip_state.steps)}
 
 
+def scenario_failed_backward(rank, world, tmp):
+    """A backward that raises partway (its end-of-backward callback never runs), then zero_grad and a
+    normal step: that step's gradients are averaged when backward returns, as if nothing had failed."""
+    model = workers.small_model()
+    opt = gradzip.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), "none",
+                                       bucket_cap_mb=0.001)  # a bucket a layer: some go out before the failure
+
+    def fail(grad):
+        raise RuntimeError("interrupted")
+
+    x, y = workers.batch(rank, 0)
+    hidden = model[:2](x)
+    hidden.register_hook(fail)
+    try:
+        nn.functional.cross_entropy(model[2:](hidden), y).backward()
+        failed = False
+    except RuntimeError:
+        failed = True
+    opt.zero_grad()
+    loss = _loss(model, rank, 1)
+    expected = _averaged(_local_grads(loss, list(model.parameters())), world)
+    loss.backward()
+    grads = _grads(model)
+    opt.step()
+    return {"failed": failed, "grads": grads, "expected": expected, "params": _flat(model)}
+
+
 def _checkpointed_run(rank, path, resume):
     model = workers.small_model()
     opt = gradzip.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
@@ -312,7 +339,7 @@ def scenario_state_dict(rank, world, tmp):
 
 
 SCENARIOS = ["schedulers", "grad_scaler", "unscale_clip", "grad_after_backward", "accumulate", "zero_grad",
-             "add_param_group", "unfreeze", "rewrapped", "duplicates", "state_dict"]
+             "add_param_group", "unfreeze", "rewrapped", "duplicates", "failed_backward", "state_dict"]
 
 
 def _scenarios(rank, world, tmp):
@@ -457,6 +484,15 @@ def test_a_parameter_named_twice_is_exchanged_once_a_pass(ranks):
         assert r["pending_after_one"] == [] and "tied" not in r["names"] and "0.weight" in r["names"]
         for g, e in zip(r["grads"], r["expected"]):
             torch.testing.assert_close(g, e)
+
+
+def test_a_backward_that_raised_leaves_the_next_step_averaged(ranks):
+    a, b = _result(ranks, "failed_backward")
+    for r in (a, b):
+        assert r["failed"]
+        for g, e in zip(r["grads"], r["expected"]):
+            torch.testing.assert_close(g, e)
+    assert torch.equal(a["params"], b["params"])
 
 
 def test_optimizer_parameters_without_a_name_are_refused():

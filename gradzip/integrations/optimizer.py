@@ -257,7 +257,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._synchronized = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._callback_queued or self._pending():
+            self._discard()
         self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def _discard(self) -> None:
+        """Forget the passes counted since the last step: a backward that raised (out of memory, an
+        interrupt) never reached its end, and its counts would make the next pass's buckets go out
+        early or not at all.  Exchanges it submitted are waited for first: they write into ``p.grad``."""
+        for fut in self._futures.values():
+            try:
+                fut.wait()
+            except Exception:  # noqa: BLE001 - its gradients are being discarded with it
+                pass
+        self._futures.clear()
+        self._counts.clear()
+        self._passes = 0
+        self._callback_queued = False
+        self._synchronized = False
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a parameter group to the wrapped optimizer; its parameters are exchanged like the others,
