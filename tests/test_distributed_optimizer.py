@@ -49,6 +49,15 @@ def _loss(model, rank, step):
     return nn.functional.cross_entropy(model(x), y)
 
 
+def _backward_and_expected(model, rank, step, world):
+    """Backward of step's loss through the wrapper's hooks: p.grad as it returns, and the average of the
+    ranks' local gradients it should hold."""
+    loss = _loss(model, rank, step)
+    expected = _averaged(_local_grads(loss, list(model.parameters())), world)
+    loss.backward()
+    return _grads(model), expected
+
+
 def _make_scheduler(kind, opt):
     if kind == "step":
         return torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
@@ -203,10 +212,7 @@ def scenario_add_param_group(rank, world, tmp):
     opt.step()
     opt.add_param_group({"params": list(head.parameters()), "lr": 0.05})
     opt.zero_grad()
-    loss = _loss(model, rank, 1)
-    expected = _averaged(_local_grads(loss, list(model.parameters())), world)
-    loss.backward()
-    grads = _grads(model)
+    grads, expected = _backward_and_expected(model, rank, 1, world)
     opt.step()
     return {"grads": grads, "expected": expected, "params": _flat(model), "lrs": [g["lr"] for g in opt.param_groups],
             "inner_groups": len(opt.optimizer.param_groups), "names": sorted(opt.gradzip_state.steps)}
@@ -224,10 +230,7 @@ def scenario_unfreeze(rank, world, tmp):
     for p in model[:4].parameters():
         p.requires_grad_(True)
     opt.zero_grad()
-    loss = _loss(model, rank, 1)
-    expected = _averaged(_local_grads(loss, list(model.parameters())), world)
-    loss.backward()
-    grads = _grads(model)
+    grads, expected = _backward_and_expected(model, rank, 1, world)
     opt.step()
     opt.zero_grad()
     _loss(model, rank, 2).backward()  # the next step: through the hooks it now has
@@ -245,10 +248,7 @@ def scenario_rewrapped(rank, world, tmp):
     old.close()
     new = gradzip.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model.named_parameters(), "none")
     new.zero_grad()
-    loss = _loss(model, rank, 1)
-    expected = _averaged(_local_grads(loss, list(model.parameters())), world)
-    loss.backward()
-    grads = _grads(model)
+    grads, expected = _backward_and_expected(model, rank, 1, world)
     new.step()
     return {"grads": grads, "expected": expected, "old": old.stats()["exchanges"], "new": new.stats()["exchanges"]}
 
@@ -291,10 +291,7 @@ def scenario_failed_backward(rank, world, tmp):
     except RuntimeError:
         failed = True
     opt.zero_grad()
-    loss = _loss(model, rank, 1)
-    expected = _averaged(_local_grads(loss, list(model.parameters())), world)
-    loss.backward()
-    grads = _grads(model)
+    grads, expected = _backward_and_expected(model, rank, 1, world)
     opt.step()
     return {"failed": failed, "grads": grads, "expected": expected, "params": _flat(model)}
 
