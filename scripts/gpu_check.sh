@@ -34,6 +34,8 @@ KERNEL_TESTS_TIMEOUT=${KERNEL_TESTS_TIMEOUT:-120}  # the kernels compiled ahead 
 timeout_for() { local left=$((BUDGET_S - SECONDS - $2)); local t=$(( $1 < left ? $1 : left )); echo $(( t < 20 ? 20 : t )); }
 ISSUE_METHODS=${ISSUE_METHODS:-}  # e.g. topk,qsgd: bench step again with GRADZIP_ISSUE=inline (thread vs hook)
 MEMORY_METHODS=${MEMORY_METHODS:-}  # e.g. sketch: what is alive at each one's memory peak (and DDP's), by line
+# The optional steps, when asked for, keep their shares of the budget from the start.
+optional_s=$(( ${ISSUE_METHODS:+90} + ${MEMORY_METHODS:+150} + 0 ))
 mkdir -p "$OUT_DIR"
 # A contender list split as gradzip bench step splits it (a method's own parameters are comma-separated too).
 split_methods() { "$PYTHON" -c 'import sys; from gradzip.bench.step import split_methods; print("\n".join(split_methods(sys.argv[1])))' "$1"; }
@@ -55,7 +57,7 @@ step_rc=0; start=$SECONDS
 # path, then a Python hook doing nothing, then PyTorch's plain allreduce hook); none now leaves DDP's own
 # allreduce in place (it took 1.38x and 1.48x DDP through a hook in two runs of docs/results/gpu.md,
 # torch-allreduce 1.03x in one).
-# powersgd:rank=4 beside powersgd (rank 2, gradzip's default): PyTorch's hook's rank, like for like.
+# powersgd:rank=4: PyTorch's hook's rank, like for like (gradzip's default is rank 2).
 # Ten contenders fit STEP_TIMEOUT with a warm cache; the probes, bf16 and the others by STEP_METHODS.
 STEP_METHODS=${STEP_METHODS:-ddp,torch-allreduce,torch-fp16,torch-powersgd,none,fp16,topk,qsgd,powersgd:rank=4,dgc}
 [ "$STEP_METHODS" = all ] && STEP_METHODS=
@@ -69,38 +71,38 @@ if [ "$WARM_JOBS" -gt 0 ]; then
   echo "== warming the cache of kernels compiled ahead ($WARM_JOBS at once) =="
   methods=${STEP_METHODS:-$("$PYTHON" -c 'import gradzip; print(",".join(gradzip.compressors()))')}
   split_methods "$methods" | grep -v -E '^(ddp|torch-.*|probe-.*)$' \
-    | timeout "$(timeout_for "$WARM_TIMEOUT" 230)" xargs -P "$WARM_JOBS" -I{} "$PYTHON" -m gradzip bench step --device cuda --methods {} \
+    | timeout "$(timeout_for "$WARM_TIMEOUT" $((230 + optional_s)))" xargs -P "$WARM_JOBS" -I{} "$PYTHON" -m gradzip bench step --device cuda --methods {} \
         --steps 1 --warmup 1 --profile-steps 1 --no-isolate > "$OUT_DIR/warm.log" 2>&1 || true
   echo "warm-up: $((SECONDS - warm_start)) s (its output: warm.log)"
 fi
 
 start=$SECONDS
 echo "== gradzip bench step (DDP, PyTorch's hooks, gradzip methods: ${STEP_METHODS:-all}) =="
-timeout "$(timeout_for "$STEP_TIMEOUT" 130)" "$PYTHON" -m gradzip bench step --device cuda $STEP_ARGS ${STEP_METHODS:+--methods "$STEP_METHODS"} --json "$OUT_DIR/step.json" 2>&1 \
+timeout "$(timeout_for "$STEP_TIMEOUT" $((130 + optional_s)))" "$PYTHON" -m gradzip bench step --device cuda $STEP_ARGS ${STEP_METHODS:+--methods "$STEP_METHODS"} --json "$OUT_DIR/step.json" 2>&1 \
   | tee "$OUT_DIR/step.log" || step_rc=$?
 step_s=$((SECONDS - start)); start=$SECONDS
 
 echo "== GPU tests: -k \"$GPU_TESTS\" =="
 tests_rc=0
-timeout "$(timeout_for "$TESTS_TIMEOUT" 70)" "$PYTHON" -m pytest -q --maxfail=25 tests/stacks/test_gpu.py -k "$GPU_TESTS" 2>&1 \
+timeout "$(timeout_for "$TESTS_TIMEOUT" $((70 + optional_s)))" "$PYTHON" -m pytest -q --maxfail=25 tests/stacks/test_gpu.py -k "$GPU_TESTS" 2>&1 \
   | tee "$OUT_DIR/gpu_tests.log" || tests_rc=$?
 tests_s=$((SECONDS - start)); start=$SECONDS
 
 echo "== gradzip bench kernels (flat 25M, 3 rounds, each method's top operators by GPU time) =="
 kernels_rc=0
-timeout "$(timeout_for "$KERNELS_TIMEOUT" 40)" "$PYTHON" -m gradzip bench kernels --device cuda --workloads flat --repeat 3 --no-selection --no-alone --profile \
+timeout "$(timeout_for "$KERNELS_TIMEOUT" $((40 + optional_s)))" "$PYTHON" -m gradzip bench kernels --device cuda --workloads flat --repeat 3 --no-selection --no-alone --profile \
   --json "$OUT_DIR/kernels.json" 2>&1 | tee "$OUT_DIR/kernels.log" || kernels_rc=$?
 kernels_s=$((SECONDS - start)); start=$SECONDS
 
 echo "== GPU tests of the kernels compiled ahead: -k \"$KERNEL_TESTS\" =="
 kernel_tests_rc=0
-timeout "$(timeout_for "$KERNEL_TESTS_TIMEOUT" 0)" "$PYTHON" -m pytest -q --maxfail=25 tests/stacks/test_gpu.py \
+timeout "$(timeout_for "$KERNEL_TESTS_TIMEOUT" "$optional_s")" "$PYTHON" -m pytest -q --maxfail=25 tests/stacks/test_gpu.py \
   -k "$KERNEL_TESTS" 2>&1 | tee "$OUT_DIR/gpu_kernel_tests.log" || kernel_tests_rc=$?
 kernel_tests_s=$((SECONDS - start))
 
 if [ -n "$ISSUE_METHODS" ]; then
   echo "== bench step with each bucket's work issued from DDP's hook (GRADZIP_ISSUE=inline): $ISSUE_METHODS =="
-  GRADZIP_ISSUE=inline timeout "$(timeout_for 90 0)" "$PYTHON" -m gradzip bench step --device cuda $STEP_ARGS --methods "ddp,$ISSUE_METHODS" \
+  GRADZIP_ISSUE=inline timeout "$(timeout_for 90 $(( ${MEMORY_METHODS:+150} + 0 )))" "$PYTHON" -m gradzip bench step --device cuda $STEP_ARGS --methods "ddp,$ISSUE_METHODS" \
     --json "$OUT_DIR/step_inline.json" 2>&1 | tee "$OUT_DIR/step_inline.log" || true
 fi
 
@@ -110,7 +112,7 @@ if [ -n "$MEMORY_METHODS" ]; then
   timeout "$(timeout_for 150 0)" "$PYTHON" -m gradzip bench step --device cuda --methods "ddp,$MEMORY_METHODS" --steps 2 --warmup 2 \
     --profile-steps 1 --memory-snapshot "$snapshots" > "$OUT_DIR/memory.log" 2>&1 || true
   for name in ddp $(split_methods "$MEMORY_METHODS"); do
-    [ -f "$snapshots/$name.pickle" ] && "$PYTHON" benchmarks/memory_peak.py "$snapshots/$name.pickle" 2>&1 \
+    [ -f "$snapshots/$name.pickle" ] && timeout 30 "$PYTHON" benchmarks/memory_peak.py "$snapshots/$name.pickle" 2>&1 \
       | tee -a "$OUT_DIR/memory.log"
   done
   rm -rf "$snapshots"

@@ -104,6 +104,7 @@ def test_bad_options_are_refused(kwargs, message):
                                             (["powersgd:nosuch=1"], "unknown parameter"),
                                             (["powersgd:rank"], "expected NAME:KEY=VALUE"),
                                             (["topk:bucketed=maybe"], "bucketed must be true, false or none"),
+                                            (["topk:bucketed=1"], "bucketed must be true, false or none"),
                                             (["ddp", "topk", "ddp"], "named twice")])
 def test_bad_contenders_are_refused_before_any_run(names, message):
     with pytest.raises(ValueError, match=message):

@@ -273,8 +273,9 @@ def scenario_duplicates(rank, world, tmp):
 
 
 def scenario_failed_backward(rank, world, tmp):
-    """A backward that raises partway (its end-of-backward callback never runs), then zero_grad and a
-    normal step: that step's gradients are averaged when backward returns, as if nothing had failed."""
+    """A backward that raises partway (its end-of-backward callback never runs), on each rank after other
+    buckets, then zero_grad and a normal step: no rank waits for a bucket another never sent, and that
+    step's gradients are averaged when backward returns, as if nothing had failed."""
     model = workers.small_model()
     opt = gradzip.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), "none",
                                        bucket_cap_mb=0.001)  # a bucket a layer: some go out before the failure
@@ -283,10 +284,11 @@ def scenario_failed_backward(rank, world, tmp):
         raise RuntimeError("interrupted")
 
     x, y = workers.batch(rank, 0)
-    hidden = model[:2](x)
+    cut = 2 if rank == 0 else 4  # the ranks stop at different buckets
+    hidden = model[:cut](x)
     hidden.register_hook(fail)
     try:
-        nn.functional.cross_entropy(model[2:](hidden), y).backward()
+        nn.functional.cross_entropy(model[cut:](hidden), y).backward()
         failed = False
     except RuntimeError:
         failed = True
@@ -490,6 +492,46 @@ def test_a_backward_that_raised_leaves_the_next_step_averaged(ranks):
         for g, e in zip(r["grads"], r["expected"]):
             torch.testing.assert_close(g, e)
     assert torch.equal(a["params"], b["params"])
+
+
+def test_frozen_parameters_need_no_name_until_they_are_unfrozen():
+    """An optimizer over model.parameters() and names for the trainable ones only: fine while the others
+    stay frozen; one of them unfrozen raises at the step (its gradient would not be averaged)."""
+    model = workers.small_model()
+    for p in model[0].parameters():
+        p.requires_grad_(False)
+    opt = gradzip.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       [(n, p) for n, p in model.named_parameters() if p.requires_grad], "none")
+    _loss(model, 0, 0).backward()
+    opt.step()
+    model[0].weight.requires_grad_(True)
+    opt.zero_grad()
+    with pytest.raises(ValueError, match="has no name in named_parameters was unfrozen"):
+        _loss(model, 0, 1).backward()
+    opt.close()
+
+
+def test_a_tied_tensor_keeps_its_first_place():
+    """Named twice, a tensor is bucketed where its first name stands (buckets go out in reverse order of
+    the names, as backward makes gradients): not last, which would hold every bucket until backward ends."""
+    model = workers.small_model()
+    named = list(model.named_parameters())
+    opt = gradzip.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named + [("tied", named[0][1])],
+                                       "none", bucket_cap_mb=0.001)
+    assert [n for bucket in opt._buckets for n, _ in bucket] == [n for n, _ in reversed(named)]
+    opt.close()
+
+
+def test_a_closed_wrapper_of_momentum_leaves_the_parameters_to_the_next():
+    """DGC marks its parameters against optimizers with momentum; closed, it lets go of them, so a new
+    wrapper with AdamW and Top-k steps them."""
+    model = workers.small_model()
+    dgc = gradzip.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), "dgc")
+    dgc.close()
+    adam = gradzip.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.1), model.named_parameters(), "topk")
+    _loss(model, 0, 0).backward()
+    adam.step()
+    adam.close()
 
 
 def test_optimizer_parameters_without_a_name_are_refused():

@@ -128,7 +128,7 @@ def _spec(name: str) -> tuple:
              if key.strip() in STATE_KEYS}
     compressor = [item for item in items if item.partition("=")[0].strip() not in STATE_KEYS]
     method, own = parse_spec(method + (":" + ",".join(compressor) if compressor else ""))
-    if state.get("bucketed", True) not in (None, True, False):
+    if "bucketed" in state and not (state["bucketed"] is None or isinstance(state["bucketed"], bool)):
         raise ValueError(f"bucketed must be true, false or none in {name!r}, got {state['bucketed']!r}")
     return method, {**BENCH_PARAMS.get(method, {}), **own, **state}
 

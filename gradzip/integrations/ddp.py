@@ -112,11 +112,8 @@ def register(ddp_model: DistributedDataParallel, compressor="none", *, group: "O
         # collectives go out from there too, so that every rank issues both in program order.
         state.issues_inline = True
     reduced = _reduced_by_ddp_itself(state, ddp_model)
-    sparse = [f"{type(m).__name__} {name!r}" for name, m in uncompiled(ddp_model.module).named_modules()
-              if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad]
-    if reduced is None and sparse:
-        state.close()
-        raise ValueError(_sparse_refused(f"{', '.join(sparse)} (sparse=True)", state.compressor.name))
+    if reduced is None:
+        _refuse_sparse_gradients(state, ddp_model.module)
     if reduced is not None:
         ddp_model._gradzip_counted = _DDPAllreduceCount(state, reduced)
         ddp_model.register_forward_hook(ddp_model._gradzip_counted.after_forward)
@@ -257,6 +254,15 @@ def _names(state: GradzipState, params) -> list:
             names[p] = f"param{len(names)}"
         guard_momentum(state, missing)
     return [names[p] for p in params]
+
+
+def _refuse_sparse_gradients(state: GradzipState, module: torch.nn.Module) -> None:
+    """Raise (closing ``state``) where ``module`` trains an embedding that makes sparse gradients."""
+    sparse = [f"{type(m).__name__} {name!r}" for name, m in uncompiled(module).named_modules()
+              if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad]
+    if sparse:
+        state.close()
+        raise ValueError(_sparse_refused(f"{', '.join(sparse)} (sparse=True)", state.compressor.name))
 
 
 def _sparse_refused(what: str, method: str) -> str:

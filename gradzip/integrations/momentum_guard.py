@@ -15,7 +15,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..state import GradzipState
 
-__all__ = ["guard_momentum"]
+__all__ = ["guard_momentum", "release_momentum"]
 
 # Parameters whose gradients already carry momentum (DGC's momentum correction).  Keyed by identity:
 # a WeakSet would compare tensors with ==.
@@ -41,6 +41,18 @@ def guard_momentum(state: GradzipState, params: Iterable[torch.Tensor]) -> None:
     if not state.compressor.applies_momentum:
         return
     for p in params:
-        _momentum_corrected[p] = True
+        _momentum_corrected[p] = _momentum_corrected.get(p, 0) + 1  # states guarding it
     if _guard_handle is None:
         _guard_handle = register_optimizer_step_pre_hook(_check_no_optimizer_momentum)
+
+
+def release_momentum(state: GradzipState, params: Iterable[torch.Tensor]) -> None:
+    """Undo :func:`guard_momentum` for a state that no longer exchanges these parameters (closed)."""
+    if not state.compressor.applies_momentum:
+        return
+    for p in params:
+        left = _momentum_corrected.get(p, 0) - 1
+        if left > 0:
+            _momentum_corrected[p] = left
+        else:
+            _momentum_corrected.pop(p, None)

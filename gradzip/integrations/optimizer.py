@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from .. import feedback as _feedback
 from ..state import GradzipState
-from .momentum_guard import guard_momentum
+from .momentum_guard import guard_momentum, release_momentum
 
 __all__ = ["DistributedOptimizer"]
 
@@ -76,14 +76,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
             given = [(f"param.{i}", p) for i, p in enumerate(in_optimizer)]
         else:
             given = list(named_parameters)
-            bad = next((item for item in given if not (isinstance(item, tuple) and len(item) == 2 and isinstance(
+            bad = next((item for item in given if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(
                 item[0], str) and isinstance(item[1], torch.Tensor))), None)
             if bad is not None:
-                what = (f"a tuple of {', '.join(type(x).__name__ for x in bad)}" if isinstance(bad, tuple)
-                        else f"a {type(bad).__name__}")
+                what = (f"a pair of {', '.join(type(x).__name__ for x in bad)}" if isinstance(bad, (tuple, list))
+                        and len(bad) == 2 else f"a {type(bad).__name__}")
                 raise TypeError("named_parameters must give (name, parameter) pairs, as model.named_parameters() "
                                 f"does; got {what}")
-        given = list({p: (n, p) for n, p in reversed(given)}.values())[::-1]  # a tensor twice: its first name
+        seen: set = set()  # a tensor twice (tied weights): its first name, at its first place
+        given = [(n, p) for n, p in given if not (p in seen or seen.add(p))]
         names = [n for n, _ in given]
         if len(set(names)) != len(names):
             raise ValueError("named_parameters has duplicate names; each parameter needs a unique name")
@@ -91,14 +92,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         missing = [n for n, p in given if p not in known and p.requires_grad]
         if missing:
             raise ValueError(f"parameters not in the optimizer: {', '.join(missing[:5])}")
-        unnamed = len(known - {p for _, p in given})
-        if unnamed:
-            raise ValueError(f"{unnamed} parameter(s) of the optimizer are not in named_parameters: each needs a "
+        unnamed = known - {p for _, p in given}
+        trained = sum(p.requires_grad for p in unnamed)
+        if trained:
+            raise ValueError(f"{trained} parameter(s) of the optimizer are not in named_parameters: each needs a "
                              "name, or its gradient would not be averaged (name them all, e.g. with "
                              "model.named_parameters() of the model holding them)")
         named = [(n, p) for n, p in given if p.requires_grad]
-        # Frozen now, perhaps trained later (a layer unfrozen during fine-tuning): hooked once it is.
+        # Frozen now, perhaps trained later (a layer unfrozen during fine-tuning): hooked once it is; one
+        # without a name then raises.
         self._frozen = [(n, p) for n, p in given if not p.requires_grad and p in known]
+        self._unnamed_frozen = list(unnamed)
         # What torch.optim.Optimizer.__init__ sets up, except the parameters: param_groups, defaults and
         # state are properties reading the wrapped optimizer (its load_state_dict replaces the objects).
         self.optimizer = optimizer
@@ -214,6 +218,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _finish(self) -> None:
         """Submit the buckets still due (unused parameters: zeros), wait for all, write ``p.grad``."""
+        if any(p.requires_grad for p in self._unnamed_frozen):
+            raise ValueError("a parameter of the optimizer that has no name in named_parameters was unfrozen: its "
+                             "gradient would not be averaged; name every parameter the optimizer steps")
         unfrozen = [(n, p) for n, p in self._frozen if p.requires_grad]
         if unfrozen:  # every rank unfreezes at the same step: their buckets go out after the others
             self._frozen = [(n, p) for n, p in self._frozen if not p.requires_grad]
@@ -264,7 +271,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _discard(self) -> None:
         """Forget the passes counted since the last step: a backward that raised (out of memory, an
         interrupt) never reached its end, and its counts would make the next pass's buckets go out
-        early or not at all.  Exchanges it submitted are waited for first: they write into ``p.grad``."""
+        early or not at all.  Its exchanges are finished first, every bucket sent (zeros where no gradient
+        came) so that ranks that stopped at different buckets still issue the same collectives: they write
+        into ``p.grad``."""
+        try:
+            self._submit_ready(force=True)
+        except Exception:  # noqa: BLE001 - a closed state: nothing to finish
+            pass
         for fut in self._futures.values():
             try:
                 fut.wait()
@@ -286,9 +299,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         added = groups[g]
         names = added.get("param_names") or [f"param_group{g}.{i}" for i in range(len(added["params"]))]
         named = [(n, p) for n, p in zip(names, added["params"]) if p.requires_grad]
-        taken = {n for bucket in self._buckets for n, _ in bucket}
-        clash = [n for n, _ in named if n in taken]
-        if clash or len({n for n, _ in named}) != len(named):
+        taken = {n for bucket in self._buckets for n, _ in bucket} | {n for n, _ in self._frozen}
+        every = list(names[:len(added["params"])])
+        clash = [n for n in every if n in taken]
+        if clash or len(set(every)) != len(every):
             groups.pop(g)
             raise ValueError(f"parameter names already in use: {', '.join(clash[:5]) or 'duplicates in the group'}")
         self._add_parameters(named)
@@ -342,6 +356,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        release_momentum(self.gradzip_state, [p for bucket in self._buckets for _, p in bucket])
         self.gradzip_state.close()
 
 
