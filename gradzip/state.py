@@ -965,6 +965,7 @@ class GradzipState:
                              f"this state uses {self.compressor.name!r}")
         if "all_ranks" in state:
             state = reshard(state["all_ranks"], self.rank, self.world_size)
+        state = _keyed_as_named(state, self.param_names)
         saved_by = state.get("rank")
         if not any_rank and saved_by is not None and saved_by != self.rank and any(state["tensors"].values()):
             raise ValueError(f"this gradzip state_dict was saved by rank {saved_by} and holds that rank's own "
@@ -1022,6 +1023,19 @@ class AllRanks:
 
     def load_state_dict(self, saved: dict) -> None:
         self.state.load_state_dict(torch.load(io.BytesIO(saved["all_ranks"]), weights_only=True))
+
+
+def _keyed_as_named(state: dict, param_names: Optional[dict]) -> dict:
+    """``state`` with the keys ``_orig_mod.<name>`` of a parameter now named ``<name>`` renamed: gradzip
+    once named ``DDP(torch.compile(model))``'s parameters so; ``register`` now names them as the model does."""
+    names = set(param_names.values()) if param_names else set()
+    prefix = "_orig_mod."
+    old = [k for k in state["tensors"] if k.startswith(prefix) and k[len(prefix):] in names]
+    if not old:
+        return state
+    rename = {k: k[len(prefix):] for k in old}
+    return {**state, "tensors": {rename.get(k, k): v for k, v in state["tensors"].items()},
+            "steps": {rename.get(k, k): v for k, v in state["steps"].items()}}
 
 
 def reshard(parts: Sequence[dict], rank: int, world_size: int) -> dict:

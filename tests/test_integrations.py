@@ -191,7 +191,14 @@ def test_a_compiled_model_keeps_its_own_parameter_names(tmp_path, compiled):
             x, y = workers.batch(0, 0)
             nn.functional.cross_entropy(net(x), y).backward()
             assert state.stats()["exchanges"] > 0 and state.stats()["plain_allreduces"] == 0
-            assert sorted(state.state_dict()["tensors"]) == sorted(n for n, _ in model.named_parameters())
+            saved = state.state_dict()
+            assert sorted(saved["tensors"]) == sorted(n for n, _ in model.named_parameters())
+        if compiled == "inside":  # a state saved when gradzip named them _orig_mod.<name> resumes as it was
+            old = {**saved, "tensors": {f"_orig_mod.{k}": v for k, v in saved["tensors"].items()},
+                   "steps": {f"_orig_mod.{k}": v for k, v in saved["steps"].items()}}
+            again = nn.parallel.DistributedDataParallel(torch.compile(model, backend="eager"))
+            with gradzip.register(again, "topk", ratio=0.3, resume=old) as resumed:
+                assert resumed.steps == saved["steps"] and resumed.tensors.keys() == saved["tensors"].keys()
     finally:
         dist.destroy_process_group()
 
