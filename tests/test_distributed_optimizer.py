@@ -272,6 +272,29 @@ def scenario_duplicates(rank, world, tmp):
             "names": sorted(opt.gradzip_state.steps)}
 
 
+def scenario_reentrant_checkpoint(rank, world, tmp):
+    """Reentrant activation checkpointing (use_reentrant=True, as HF models' gradient checkpointing has
+    it): each checkpointed segment's backward is a pass of its own inside the outer one; the exchange
+    ends with the outer one (before, it ran at each segment's end, sending zeros for the rest)."""
+    from torch.utils.checkpoint import checkpoint
+    model = workers.small_model()
+    opt = gradzip.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), "none",
+                                       bucket_cap_mb=0.001)
+    x, y = workers.batch(rank, 0)
+
+    def loss_of(m):  # a reentrant segment passes gradients only where an input requires them
+        h = checkpoint(m[:2], x.detach().requires_grad_(), use_reentrant=True)
+        h = checkpoint(m[2:4], h, use_reentrant=True)
+        return nn.functional.cross_entropy(checkpoint(m[4], h, use_reentrant=True), y)  # every gradient inner
+
+    expected = _averaged(_local_grads(_loss(model, rank, 0), list(model.parameters())), world)
+    loss_of(model).backward()
+    grads = _grads(model)
+    exchanges = opt.stats()["exchanges"]
+    opt.step()
+    return {"grads": grads, "expected": expected, "exchanges": exchanges, "buckets": len(opt._buckets)}
+
+
 def scenario_failed_backward(rank, world, tmp):
     """A backward that raises partway (its end-of-backward callback never runs), on each rank after other
     buckets, then zero_grad and a normal step: no rank waits for a bucket another never sent, and that
@@ -338,7 +361,8 @@ def scenario_state_dict(rank, world, tmp):
 
 
 SCENARIOS = ["schedulers", "grad_scaler", "unscale_clip", "grad_after_backward", "accumulate", "zero_grad",
-             "add_param_group", "unfreeze", "rewrapped", "duplicates", "failed_backward", "state_dict"]
+             "add_param_group", "unfreeze", "rewrapped", "duplicates", "reentrant_checkpoint", "failed_backward",
+             "state_dict"]
 
 
 def _scenarios(rank, world, tmp):
@@ -483,6 +507,15 @@ def test_a_parameter_named_twice_is_exchanged_once_a_pass(ranks):
         assert r["pending_after_one"] == [] and "tied" not in r["names"] and "0.weight" in r["names"]
         for g, e in zip(r["grads"], r["expected"]):
             torch.testing.assert_close(g, e)
+
+
+def test_reentrant_checkpointing_exchanges_once_a_backward(ranks):
+    a, b = _result(ranks, "reentrant_checkpoint")
+    for r in (a, b):
+        assert r["exchanges"] == r["buckets"], r  # each bucket once, when the outer backward ends
+        for g, e in zip(r["grads"], r["expected"]):
+            torch.testing.assert_close(g, e)
+    _assert_equal_lists(a["grads"], b["grads"])
 
 
 def test_a_backward_that_raised_leaves_the_next_step_averaged(ranks):

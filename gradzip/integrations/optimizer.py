@@ -190,8 +190,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._counts[p] == self.backward_passes_per_step:
             self._submit_ready()
 
+    def _queue_end(self, *_) -> None:
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
     def _end_of_backward(self) -> None:
+        outer = _outer_node()
+        if outer is not None:  # reentrant checkpointing: an inner pass ends inside the outer pass's node,
+            outer.register_hook(self._queue_end)  # whose end, once that node is done, is the pass's
+            return
         self._callback_queued = False
+
         self._passes += 1
         if self._passes >= self.backward_passes_per_step:
             self._finish()
@@ -358,6 +366,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._handles.clear()
         release_momentum(self.gradzip_state, [p for bucket in self._buckets for _, p in bucket])
         self.gradzip_state.close()
+
+
+def _outer_node():
+    """The node of another backward pass inside which the pass ending now ran (reentrant activation
+    checkpointing re-runs a segment's forward and backward there), or None (also where torch cannot say)."""
+    current = getattr(torch._C, "_current_autograd_node", None)
+    return current() if current is not None else None
 
 
 def _buckets(named, cap_bytes):
