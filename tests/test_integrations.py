@@ -177,9 +177,7 @@ def test_what_ddp_delivers_plus_what_is_owed_is_every_gradient_with_unused_param
 def test_a_compiled_model_keeps_its_own_parameter_names(tmp_path, compiled):
     """``DDP(torch.compile(model))`` and ``torch.compile(DDP(model))``: the state is keyed by the model's
     own parameter names, so a checkpoint does not depend on compiling; the exchange is gradzip's."""
-    import torch.distributed as dist
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
+    with workers.one_rank_group("gloo", tmp_path):
         model = _model()
         if compiled == "inside":
             ddp = net = nn.parallel.DistributedDataParallel(torch.compile(model, backend="eager"))
@@ -199,16 +197,12 @@ def test_a_compiled_model_keeps_its_own_parameter_names(tmp_path, compiled):
             again = nn.parallel.DistributedDataParallel(torch.compile(model, backend="eager"))
             with gradzip.register(again, "topk", ratio=0.3, resume=old) as resumed:
                 assert resumed.steps == saved["steps"] and resumed.tensors.keys() == saved["tensors"].keys()
-    finally:
-        dist.destroy_process_group()
 
 
 def test_sparse_gradients_are_refused_in_one_line(tmp_path):
     """nn.Embedding(sparse=True) gives sparse gradients, which no method compresses: register() refuses it
     before any step (but for 'none', which leaves DDP's own allreduce), and the hook of a state handed
     to DDP directly refuses the sparse bucket."""
-    import torch.distributed as dist
-
     class Bag(nn.Module):
         def __init__(self):
             super().__init__()
@@ -217,8 +211,7 @@ def test_sparse_gradients_are_refused_in_one_line(tmp_path):
         def forward(self, x):
             return self.fc(self.emb(x).mean(1))
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
+    with workers.one_rank_group("gloo", tmp_path):
         message = r"compresses dense gradients, and Embedding 'emb' \(sparse=True\) gives sparse ones, which 'topk'"
         with pytest.raises(ValueError, match=message) as err:
             gradzip.register(nn.parallel.DistributedDataParallel(Bag()), "topk")
@@ -233,8 +226,6 @@ def test_sparse_gradients_are_refused_in_one_line(tmp_path):
         opt = gradzip.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), "topk")
         with pytest.raises(ValueError, match="compresses dense gradients, and the parameter 'emb.weight' has a sparse"):
             model(torch.randint(0, 20, (3, 5))).sum().backward()
-    finally:
-        dist.destroy_process_group()
 
 
 def test_optimizer_rejects_bad_arguments():

@@ -74,9 +74,10 @@ def register(ddp_model: DistributedDataParallel, compressor="none", *, group: "O
         raise ValueError(
             f"gradzip.register() needs a torch.nn.parallel.DistributedDataParallel model (or torch.compile "
             f"of one), got {'torch.compile of ' if given is not ddp_model else ''}{type(ddp_model).__name__}; "
-            "gradzip compresses DDP's gradient allreduce (FSDP and FSDP2 shard gradients with reduce-scatter, which it does not support); with HF Trainer (whose "
-            "callbacks get the unwrapped model) use gradzip.integrations.transformers.register(trainer, "
-            "method, ...); without DDP, wrap the optimizer in gradzip.DistributedOptimizer")
+            "gradzip compresses DDP's gradient allreduce (FSDP and FSDP2 shard gradients with reduce-scatter, "
+            "which it does not support); with HF Trainer (whose callbacks get the unwrapped model) use "
+            "gradzip.integrations.transformers.register(trainer, method, ...); without DDP, wrap the optimizer "
+            "in gradzip.DistributedOptimizer")
     hooks = getattr(ddp_model, "_comm_hooks", None)
     if hooks or getattr(ddp_model, "_gradzip_counted", None) is not None:  # DDP's own error says only "once"
         hook = hooks[0][0] if hooks else ddp_comm_hook
@@ -112,12 +113,11 @@ def register(ddp_model: DistributedDataParallel, compressor="none", *, group: "O
         # collectives go out from there too, so that every rank issues both in program order.
         state.issues_inline = True
     reduced = _reduced_by_ddp_itself(state, ddp_model)
-    if reduced is None:
-        _refuse_sparse_gradients(state, ddp_model.module)
     if reduced is not None:
         ddp_model._gradzip_counted = _DDPAllreduceCount(state, reduced)
         ddp_model.register_forward_hook(ddp_model._gradzip_counted.after_forward)
     else:
+        _refuse_sparse_gradients(state, ddp_model.module)
         ddp_model.register_comm_hook(state, ddp_comm_hook)
     guard_momentum(state, ddp_model.module.parameters())
     if reduced is None and ddp_model.find_unused_parameters and not ddp_model.static_graph:

@@ -199,7 +199,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
             outer.register_hook(self._queue_end)  # whose end, once that node is done, is the pass's
             return
         self._callback_queued = False
-
         self._passes += 1
         if self._passes >= self.backward_passes_per_step:
             self._finish()
@@ -306,15 +305,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.optimizer.add_param_group(param_group)
         added = groups[g]
         names = added.get("param_names") or [f"param_group{g}.{i}" for i in range(len(added["params"]))]
-        named = [(n, p) for n, p in zip(names, added["params"]) if p.requires_grad]
+        pairs = list(zip(names, added["params"]))
         taken = {n for bucket in self._buckets for n, _ in bucket} | {n for n, _ in self._frozen}
-        every = list(names[:len(added["params"])])
-        clash = [n for n in every if n in taken]
-        if clash or len(set(every)) != len(every):
+        clash = [n for n, _ in pairs if n in taken]
+        if clash or len({n for n, _ in pairs}) != len(pairs):
             groups.pop(g)
             raise ValueError(f"parameter names already in use: {', '.join(clash[:5]) or 'duplicates in the group'}")
-        self._add_parameters(named)
-        self._frozen.extend((n, p) for n, p in zip(names, added["params"]) if not p.requires_grad)
+        self._add_parameters([(n, p) for n, p in pairs if p.requires_grad])
+        self._frozen.extend((n, p) for n, p in pairs if not p.requires_grad)
 
     def state_dict(self, *, all_ranks: bool = False) -> dict:
         """The wrapped optimizer's ``state_dict()`` plus ``"gradzip"``: ``gradzip_state.state_dict()``
